@@ -1,0 +1,5 @@
+import sys
+
+from mshpc.cli import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""The `mshpc` command. Each subcommand is a small parser plus a function; knobs live in the
+config, not in flags (`--set section.key=value` reaches every one of them)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from mshpc.errors import LaunchError, MshpcError
+
+USER_ERROR_EXIT = 2
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a model from a YAML config",
+        description="Train a GPT model. Outside any launcher, starts --nproc local ranks (default: "
+        "parallel.dp*tp*pp of the config); under srun, mpiexec or torchrun, runs as one of their ranks. "
+        "The run directory is <run.out_dir>/<run.name>/ (config.yaml, metrics.jsonl).",
+    )
+    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="local ranks to start (outside a launcher); parallel.dp follows as N/(tp*pp)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.set_defaults(func=cmd_train)
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare", help="turn text files or folders into token shards",
+        description="Tokenize text files (folders are walked recursively) into a dataset folder "
+        "of memory-mappable token shards with an index and checksums; point data.path at it.",
+    )
+    p.add_argument("inputs", nargs="+", type=Path, help="text files or folders")
+    p.add_argument("--out", required=True, type=Path, help="dataset folder to create")
+    p.add_argument("--tokenizer", default="byte",
+                   help="'byte' (default, needs nothing downloaded) or a tokenizers BPE .json file")
+    p.set_defaults(func=cmd_prepare)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mshpc", description="MegaScale-style LLM training on Slurm clusters."
+    )
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _add_train(sub)
+    _add_prepare(sub)
+    return parser
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from mshpc.config import load_config, resolve_world
+    from mshpc.launch.env import read_launch_env
+
+    cfg = load_config(args.config, args.set)
+    env = read_launch_env()
+    # One voice: rank 0 logs progress; the others only warnings and errors.
+    logging.getLogger().setLevel(logging.INFO if env.rank == 0 else logging.WARNING)
+    if args.nproc is not None and args.nproc < 1:
+        raise LaunchError(f"--nproc={args.nproc} must be >= 1")
+    if env.launcher == "single":
+        nproc = args.nproc or cfg.world_size
+        if nproc > 1:
+            resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
+            return _launch_local(args, nproc)
+    elif args.nproc is not None and args.nproc != env.world_size:
+        raise LaunchError(f"--nproc={args.nproc} but the {env.launcher} launcher started {env.world_size} ranks")
+    from mshpc.train import train
+
+    train(cfg, env)
+    return 0
+
+
+def _launch_local(args: argparse.Namespace, nproc: int) -> int:
+    from mshpc.launch.local import launch_local
+
+    argv = ["train", args.config] + [a for s in args.set for a in ("--set", s)]
+    failure = launch_local(argv, nproc)
+    if failure is None:
+        return 0
+    print(f"mshpc: {failure.describe()}", file=sys.stderr)
+    return failure.exit_code
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from mshpc.data.prepare import prepare_corpus
+
+    out = prepare_corpus(args.inputs, args.out, tokenizer_spec=args.tokenizer)
+    print(f"prepared {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="mshpc: %(message)s")
+    try:
+        return args.func(args)
+    except MshpcError as exc:
+        print(f"mshpc: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,320 @@
+"""The config tree: frozen dataclasses, strict YAML loading, dotted overrides, validation.
+
+Every component receives its own section. Unknown keys, wrong types and impossible
+combinations raise a one-line `ConfigError` naming the key and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mshpc.errors import ConfigError
+
+
+def _min(value: float, default: Any) -> Any:
+    """A field whose value must be >= `value` (checked by `validate`)."""
+    return field(default=default, metadata={"min": value})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = _min(2, 257)  # byte tokenizer: 256 bytes + end-of-document
+    seq_len: int = _min(1, 256)
+    n_layer: int = _min(1, 4)
+    n_head: int = _min(1, 4)
+    d_model: int = _min(2, 256)
+    mlp_ratio: int = _min(1, 4)
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    parallel_block: bool = False  # MegaScale/PaLM: attn and MLP from one normed input, summed
+    sliding_window: int | None = None  # each token sees at most the previous W tokens
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    dropout: float = _min(0.0, 0.0)
+    init_std: float = 0.02
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = _min(1, 1)
+    tp: int = _min(1, 1)
+    pp: int = _min(1, 1)
+    virtual_stages: int = _min(1, 1)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: Literal["adamw", "lamb"] = "adamw"
+    lr: float = _min(0.0, 3e-4)
+    min_lr: float = _min(0.0, 3e-5)
+    warmup_steps: int = _min(0, 10)
+    weight_decay: float = _min(0.0, 0.1)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = _min(0.0, 1.0)  # max global grad norm; 0 turns clipping off
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str | None = None  # a folder made by `mshpc prepare`; None: the embedded stdlib corpus
+    tokenizer: str = "byte"  # "byte", or the path of a `tokenizers` BPE json file
+    cache_dir: str = ".cache/mshpc"  # where the embedded corpus is prepared on first use
+    seed: int = 1234
+    prefetch_batches: int = _min(1, 4)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _min(1, 100)
+    micro_batch: int = _min(1, 8)
+    grad_accum: int = _min(1, 1)
+    seed: int = 1234
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    cpu_threads: int = _min(0, 0)  # torch threads per rank; 0: cores / local ranks
+    peak_tflops: float | None = None  # device peak for MFU; None: from the device table
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    out_dir: str = "runs"
+    log_interval_steps: int = _min(1, 1)
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"  # auto: a bar on a TTY
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.dp * self.parallel.tp * self.parallel.pp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step across all data-parallel ranks."""
+        return self.train.micro_batch * self.train.grad_accum * self.parallel.dp
+
+
+# ---------------------------------------------------------------- building from plain data
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else tp.__name__
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; YAML 1.1 reads `3e-4` as a string, so
+    floats also accept numeric strings."""
+    origin = typing.get_origin(tp)
+    if isinstance(tp, types.UnionType) or origin is typing.Union:
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arm)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    if origin is Literal:
+        raise ConfigError(f"{key}={value!r} is not a valid choice (choose {_describe(tp)})")
+    raise ConfigError(f"{key}={value!r} has the wrong type (expected {_describe(tp)})")
+
+
+def _unknown_key(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return ConfigError(f"unknown config key {key!r} ({hint}valid: {', '.join(valid)})")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in hints:
+            raise _unknown_key(dotted, names)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{dotted}.")
+        else:
+            kwargs[key] = _coerce(dotted, value, tp)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a Config from nested plain data (as read from YAML)."""
+    return validate(_build(Config, data, ""))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one `a.b=value` override to nested plain data; the value is parsed as YAML."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    parts = key.split(".")
+    cls: type = Config
+    node = data
+    for depth, part in enumerate(parts):
+        dotted = ".".join(parts[: depth + 1])
+        hints = _hints(cls)
+        if part not in hints:
+            raise _unknown_key(dotted, [f.name for f in dataclasses.fields(cls)])
+        if depth == len(parts) - 1:
+            if dataclasses.is_dataclass(hints[part]):
+                raise ConfigError(f"override {key!r} names a section; give one of its keys")
+            node[part] = yaml.safe_load(raw) if raw else ""
+            return
+        cls = hints[part]
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"override {key!r}: {dotted!r} is a value, not a section")
+        node = node.setdefault(part, {})
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (None: all defaults), apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        data = loaded if loaded is not None else {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for override in overrides:
+        apply_override(data, override)
+    return from_dict(data)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_hash(cfg: Config) -> str:
+    """A short stable hash of the resolved config (recorded with checkpoints and runs)."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _divisors(n: int) -> str:
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
+
+
+def _check_minimums(section: Any, prefix: str) -> None:
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_minimums(value, f"{prefix}{f.name}.")
+        elif "min" in f.metadata and value is not None and value < f.metadata["min"]:
+            raise ConfigError(f"{prefix}{f.name}={value} must be >= {f.metadata['min']}")
+
+
+def _check_model(m: ModelConfig) -> None:
+    if m.d_model % m.n_head:
+        raise ConfigError(
+            f"model.n_head={m.n_head} does not divide model.d_model={m.d_model} "
+            f"(choose {_divisors(m.d_model)})"
+        )
+    if (m.d_model // m.n_head) % 2:
+        raise ConfigError(
+            f"model.d_model/model.n_head={m.d_model // m.n_head} must be even for rotary embeddings"
+        )
+    if m.sliding_window is not None and m.sliding_window < 1:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} must be >= 1 or null (off)")
+
+
+def _check_parallel(cfg: Config) -> None:
+    p, m = cfg.parallel, cfg.model
+    if m.n_head % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide model.n_head={m.n_head} (choose {_divisors(m.n_head)})"
+        )
+    stages = p.pp * p.virtual_stages
+    if m.n_layer % stages:
+        raise ConfigError(
+            f"parallel.pp*parallel.virtual_stages={stages} does not divide "
+            f"model.n_layer={m.n_layer} (choose a product among {_divisors(m.n_layer)})"
+        )
+
+
+def validate(cfg: Config) -> Config:
+    """Check every value and combination; return the config unchanged."""
+    _check_minimums(cfg, "")
+    _check_model(cfg.model)
+    _check_parallel(cfg)
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} must be <= optim.lr={cfg.optim.lr}")
+    return cfg
+
+
+def resolve_world(cfg: Config, world_size: int) -> Config:
+    """Fit the data-parallel degree to the launched world: dp = world / (tp * pp)."""
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tp*parallel.pp={model_parallel} "
+            f"(launch a multiple of {model_parallel} ranks)"
+        )
+    dp = world_size // model_parallel
+    if dp == cfg.parallel.dp:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp))

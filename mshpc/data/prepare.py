@@ -1,0 +1,173 @@
+"""Corpus preparation: text files and folders -> a token dataset folder, published atomically.
+
+Folders are walked recursively in sorted order (so a corpus always prepares to the same bytes),
+skipping hidden folders, `__pycache__`, `site-packages` and `node_modules`, and taking files whose
+suffix is in TEXT_SUFFIXES. A file is a document when it is non-empty UTF-8 without NUL bytes;
+other files found in folders are skipped, while a named input file that is not text is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import sysconfig
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from mshpc.config import DataConfig
+from mshpc.data.shards import INDEX_FILE, ShardWriter, TokenDataset
+from mshpc.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from mshpc.errors import DataError
+
+log = logging.getLogger(__name__)
+
+TEXT_SUFFIXES = frozenset({
+    ".txt", ".md", ".rst", ".tex", ".json", ".jsonl", ".yaml", ".yml", ".toml", ".cfg", ".ini",
+    ".csv", ".xml", ".html", ".css", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu",
+    ".rs", ".go", ".java", ".js", ".ts", ".sh",
+})
+SKIP_DIRS = frozenset({"__pycache__", "site-packages", "node_modules"})
+DEFAULT_SHARD_TOKENS = 16_000_000
+
+
+def _walk(folder: Path, suffixes: frozenset[str]) -> Iterator[Path]:
+    """Files under `folder` with one of `suffixes`, depth first in sorted order."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
+        for name in sorted(files):
+            if Path(name).suffix.lower() in suffixes:
+                yield Path(root) / name
+
+
+def _is_text(data: bytes) -> bool:
+    if b"\x00" in data:
+        return False
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _candidates(inputs: Sequence[Path]) -> list[tuple[Path, bool]]:
+    """(file, named explicitly) for every input, after checking that all inputs exist."""
+    for path in map(Path, inputs):
+        if not path.exists():
+            raise DataError(f"input {path} does not exist (give text files or folders)")
+    found: list[tuple[Path, bool]] = []
+    for path in map(Path, inputs):
+        if path.is_dir():
+            found += [(f, False) for f in _walk(path, TEXT_SUFFIXES)]
+        else:
+            found.append((path, True))
+    return found
+
+
+def _documents(candidates: Iterable[tuple[Path, bool]]) -> Iterator[bytes]:
+    """The bytes of each candidate that is text; folder members that are not are skipped."""
+    skipped = 0
+    for path, explicit in candidates:
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            if explicit:
+                raise DataError(f"input {path}: unreadable ({exc.strerror})") from None
+            skipped += 1
+            continue
+        if _is_text(data):
+            if data:
+                yield data
+        elif explicit:
+            raise DataError(f"input {path}: not UTF-8 text (binary or another encoding)")
+        else:
+            skipped += 1
+    if skipped:
+        log.info("skipped %d unreadable or non-UTF-8 files", skipped)
+
+
+def _publish(tmp: Path, out_dir: Path) -> Path:
+    """Rename the finished `tmp` to `out_dir`; if a racer published `out_dir` first, keep theirs."""
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        if not (out_dir / INDEX_FILE).is_file():
+            raise
+        log.info("%s was prepared meanwhile by another process; keeping it", out_dir)
+    return out_dir
+
+
+def _build(docs: Iterable[bytes], out_dir: Path, tokenizer: Tokenizer, shard_tokens: int,
+           source: str) -> Path:
+    """Tokenize `docs` into a sibling temp folder, then publish it as `out_dir`."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A unique sibling: same filesystem (so rename is atomic), and racers never share it.
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        writer = ShardWriter(tmp, tokenizer, shard_tokens)
+        for doc in docs:
+            writer.add(tokenizer.encode(doc))
+        if writer.n_tokens == 0:
+            raise DataError(f"no text documents in {source} (folders are searched for UTF-8 "
+                            f"files named {', '.join(sorted(TEXT_SUFFIXES))})")
+        writer.finish()
+        log.info("prepared %s: %d docs, %d tokens", out_dir, writer.n_docs, writer.n_tokens)
+        return _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare_corpus(inputs: Sequence[Path], out_dir: Path, tokenizer_spec: str = "byte",
+                   shard_tokens: int = DEFAULT_SHARD_TOKENS) -> Path:
+    """Tokenize the text files and folders `inputs` into a new dataset folder `out_dir`."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise DataError(f"output {out_dir} already exists (remove it or choose another folder)")
+    if shard_tokens < 1:
+        raise DataError(f"shard_tokens={shard_tokens} must be >= 1")
+    tokenizer = build_tokenizer(tokenizer_spec)
+    candidates = _candidates(inputs)
+    source = ", ".join(str(p) for p in inputs) or "(no inputs)"
+    return _build(_documents(candidates), out_dir, tokenizer, shard_tokens, source)
+
+
+def _discard(path: Path) -> None:
+    """Remove a broken dataset folder; renamed away first so no reader sees it half deleted."""
+    trash = path.parent / f".{path.name}.trash-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return  # another process discarded it first
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def ensure_default_corpus(cache_dir: Path) -> Path:
+    """The byte-tokenized Python stdlib source (*.py) under `cache_dir`, prepared on first use."""
+    target = Path(cache_dir) / f"stdlib-byte-{platform.python_version()}"
+    if target.exists():
+        try:
+            TokenDataset.open(target, verify=False).close()
+            return target
+        except DataError as exc:
+            log.warning("%s is unusable (%s); preparing it again", target, exc)
+            _discard(target)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = ((f, False) for f in _walk(stdlib, frozenset({".py"})))
+    return _build(_documents(files), target, ByteTokenizer(), DEFAULT_SHARD_TOKENS, str(stdlib))
+
+
+def dataset_path(cfg: DataConfig) -> Path:
+    """The dataset folder `cfg` names: `cfg.path`, or else the embedded corpus in `cfg.cache_dir`."""
+    if cfg.path is None:
+        if cfg.tokenizer != "byte":
+            raise DataError(f"data.tokenizer={cfg.tokenizer!r} needs data.path: the embedded corpus is "
+                            "byte-tokenized (make a dataset with mshpc prepare)")
+        return ensure_default_corpus(Path(cfg.cache_dir))
+    path = Path(cfg.path)
+    if not path.is_dir():
+        raise DataError(f"data.path={cfg.path} does not exist (make it with mshpc prepare, or leave "
+                        "data.path unset for the embedded stdlib corpus)")
+    return path

@@ -1,0 +1,57 @@
+"""Model FLOPs and MFU (model FLOPs utilisation).
+
+FLOPs per token follow Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", Sec. 5.1) without activation recomputation, as MFU counts
+only the model's own FLOPs (PaLM, App. B):
+
+    F / token = 72 * l * h^2 * (1 + s/(6h) + V/(12*l*h))      for an MLP of width 4h,
+
+written below term by term so that any `mlp_ratio` r works: per layer and token the forward
+GEMMs cost 2 * (3h^2 + h^2 + 2*r*h^2) and attention 4*s*h (QK^T and AV, counted over the full
+s x s matrix as Narayanan does); the logit GEMM costs 2*h*V; backward doubles each (x3 in all).
+With a sliding window W, each query meets at most W keys, so s becomes min(W, s) in the
+attention term.
+"""
+
+from __future__ import annotations
+
+from mshpc.config import ModelConfig
+
+# Dense peak TFLOP/s per device and training dtype (vendor datasheets, SXM parts, no sparsity).
+PEAK_TFLOPS: dict[tuple[str, str], float] = {
+    ("H200", "bf16"): 989.0,
+    ("H100", "bf16"): 989.0,
+    ("A100", "bf16"): 312.0,
+    ("H200", "fp32"): 67.0,
+    ("H100", "fp32"): 67.0,
+    ("A100", "fp32"): 19.5,
+}
+
+
+def attention_context(m: ModelConfig) -> int:
+    """Keys each query attends to in the FLOPs count: the sequence, or the sliding window."""
+    return m.seq_len if m.sliding_window is None else min(m.sliding_window, m.seq_len)
+
+
+def flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs (forward + backward) per token; Narayanan et al. 2021 Eq. in Sec. 5.1."""
+    h, s = m.d_model, attention_context(m)
+    gemm = 2 * (4 + 2 * m.mlp_ratio) * h * h
+    attention = 4 * s * h
+    logits = 2 * h * m.vocab_size
+    return 3.0 * (m.n_layer * (gemm + attention) + logits)
+
+
+def peak_tflops(device_name: str, dtype: str) -> float | None:
+    """The table's peak for a device name such as 'NVIDIA H100 80GB HBM3'; None if unknown."""
+    for (model, table_dtype), peak in PEAK_TFLOPS.items():
+        if model in device_name.upper() and table_dtype == dtype:
+            return peak
+    return None
+
+
+def mfu(tokens_per_s: float, m: ModelConfig, n_devices: int, peak: float | None) -> float | None:
+    """Achieved model FLOP/s over the peak of all devices; None when the peak is unknown."""
+    if peak is None or peak <= 0:
+        return None
+    return tokens_per_s * flops_per_token(m) / (peak * 1e12 * n_devices)

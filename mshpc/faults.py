@@ -1,0 +1,48 @@
+"""Fault injection for tests: the train loop honours MSHPC_TEST_FAULTS, read by launch/env.py.
+
+Spec: `;`-separated faults, each `KIND:rank=R:step=S`, KIND one of
+  raise  raise RuntimeError in the step (a Python crash with a traceback)
+  kill   SIGKILL this rank (a crash with no chance to clean up)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+from mshpc.errors import ConfigError
+
+KINDS = ("raise", "kill")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+
+
+def _parse_one(text: str) -> Fault:
+    kind, *fields = text.strip().split(":")
+    values = dict(f.split("=", 1) for f in fields if "=" in f)
+    if kind not in KINDS or set(values) != {"rank", "step"}:
+        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r} must be KIND:rank=R:step=S, KIND in {', '.join(KINDS)}")
+    try:
+        return Fault(kind, int(values["rank"]), int(values["step"]))
+    except ValueError:
+        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r}: rank and step must be integers") from None
+
+
+def parse_faults(spec: str | None) -> tuple[Fault, ...]:
+    return tuple(_parse_one(part) for part in (spec or "").split(";") if part.strip())
+
+
+def inject(faults: tuple[Fault, ...], rank: int, step: int) -> None:
+    """Fire the faults planned for this rank at this step (0-based), if any."""
+    for fault in faults:
+        if fault.rank != rank or fault.step != step:
+            continue
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault at rank {rank} step {step}")

@@ -1,0 +1,142 @@
+"""The one reader of the launcher's environment (MPI, Slurm, torchrun, the local launcher).
+
+Everything else in mshpc receives the typed `LaunchEnv` this module returns.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from mshpc.errors import LaunchError
+
+Launcher = Literal["mpi", "slurm", "env", "single"]
+LAUNCHERS: tuple[str, ...] = ("mpi", "slurm", "env", "single")
+
+# Variables only a real MPI launcher sets (Hydra/MPICH, Open MPI, PMIx incl. `srun --mpi=pmix`).
+# PMI_RANK alone is not enough: Slurm's pmi2 plugin sets it for plain `srun` too.
+_MPI_MARKERS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+@dataclass(frozen=True)
+class SlurmEnv:
+    job_id: int
+    step_id: int | None
+    ntasks: int | None
+    nodelist: str  # compressed hostlist of the step (or job), e.g. "node[1-3]"
+    array_job_id: int | None
+    array_task_id: int | None
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    launcher: Launcher
+    rank: int  # provisional for "mpi": mpi4py's communicator is the authority
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: str
+    master_addr: str | None
+    master_port: int | None
+    slurm: SlurmEnv | None
+    test_faults: str | None  # MSHPC_TEST_FAULTS: fault injection, honoured only by tests
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _slurm(env: Mapping[str, str]) -> SlurmEnv | None:
+    job_id = _int(env, "SLURM_JOB_ID")
+    if job_id is None:
+        return None
+    return SlurmEnv(
+        job_id=job_id,
+        step_id=_int(env, "SLURM_STEP_ID"),
+        ntasks=_int(env, "SLURM_STEP_NUM_TASKS", _int(env, "SLURM_NTASKS")),
+        nodelist=env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""),
+        array_job_id=_int(env, "SLURM_ARRAY_JOB_ID"),
+        array_task_id=_int(env, "SLURM_ARRAY_TASK_ID"),
+    )
+
+
+def _detect(env: Mapping[str, str], slurm: SlurmEnv | None) -> Launcher:
+    forced = env.get("MSHPC_BOOTSTRAP", "")
+    if forced:
+        if forced not in LAUNCHERS:
+            raise LaunchError(f"MSHPC_BOOTSTRAP={forced!r} is not a launcher (choose {', '.join(LAUNCHERS)})")
+        return forced  # type: ignore[return-value]
+    if any(name in env for name in _MPI_MARKERS):
+        return "mpi"
+    if slurm is not None and slurm.step_id is not None and "SLURM_PROCID" in env:
+        return "slurm"
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "env"
+    return "single"
+
+
+def _mpi_env(env: Mapping[str, str]) -> tuple[int, int, int, int]:
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", _int(env, "PMI_RANK", _int(env, "PMIX_RANK", 0)))
+    size = _int(env, "OMPI_COMM_WORLD_SIZE", _int(env, "PMI_SIZE", 1))
+    local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", _int(env, "MPI_LOCALRANKID", 0))
+    local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", _int(env, "MPI_LOCALNRANKS", 1))
+    return rank, size, local, local_size  # type: ignore[return-value]
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read rank, world and node from whichever launcher started this process."""
+    env = os.environ if environ is None else environ
+    slurm = _slurm(env)
+    launcher = _detect(env, slurm)
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    addr, port = env.get("MASTER_ADDR"), _int(env, "MASTER_PORT")
+    if launcher == "mpi":
+        rank, world, local, local_world = _mpi_env(env)
+    elif launcher == "slurm":
+        rank, world = _int(env, "SLURM_PROCID", 0), _int(env, "SLURM_NTASKS", 1)
+        local = _int(env, "SLURM_LOCALID", 0)
+        local_world = _int(env, "SLURM_NTASKS_PER_NODE", 0) or _tasks_on_node(env)
+    elif launcher == "env":
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local = _int(env, "LOCAL_RANK", 0)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", world)
+        if addr is None or port is None:
+            raise LaunchError("RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not")
+    else:
+        rank, world, local, local_world = 0, 1, 0, 1
+    return LaunchEnv(
+        launcher=launcher, rank=rank, world_size=world, local_rank=local,  # type: ignore[arg-type]
+        local_world_size=local_world, node=node, master_addr=addr, master_port=port,  # type: ignore[arg-type]
+        slurm=slurm, test_faults=env.get("MSHPC_TEST_FAULTS") or None,
+    )
+
+
+def _tasks_on_node(env: Mapping[str, str]) -> int:
+    """SLURM_TASKS_PER_NODE looks like '2(x3),1'; this node's count is at SLURM_NODEID."""
+    node_id = _int(env, "SLURM_NODEID", 0) or 0
+    counts: list[int] = []
+    for part in env.get("SLURM_TASKS_PER_NODE", "1").split(","):
+        count, _, repeat = part.partition("(x")
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts[min(node_id, len(counts) - 1)]
+
+
+def check_world(env: LaunchEnv, world_size: int) -> None:
+    """Under Slurm, the world the bootstrap found must equal the step's task count: a
+    mis-built MPI silently starts N single-rank jobs instead of one N-rank job."""
+    if env.slurm is None or env.slurm.ntasks is None or env.launcher not in ("mpi", "slurm"):
+        return
+    if world_size != env.slurm.ntasks:
+        raise LaunchError(
+            f"{env.launcher} bootstrap found world size {world_size} but SLURM_NTASKS="
+            f"{env.slurm.ntasks}: mpi4py is likely built against another MPI than the launcher's"
+        )

@@ -1,0 +1,126 @@
+"""The local launcher: start N ranks on this machine, wait, and stop them all if one fails.
+
+Ranks get torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so the
+same training entry point serves torchrun, srun, mpiexec and this launcher.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mshpc.launch.rendezvous import free_port
+
+STOP_GRACE_S = 5.0  # SIGTERM first, so ranks can flush logs; SIGKILL after this
+TAIL_LINES = 20
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    exited_at: float | None = None
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    returncode: int
+    last_lines: tuple[str, ...]
+
+    @property
+    def exit_code(self) -> int:
+        """The launcher's own exit code: the rank's, or 128+N for a signal, as a shell does."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    def describe(self) -> str:
+        if self.returncode < 0:
+            # A signal leaves no last words: whatever the rank printed last is not the reason.
+            return f"rank {self.rank} was killed by {signal.Signals(-self.returncode).name}"
+        how = f"exited with code {self.returncode}"
+        why = next((line for line in reversed(self.last_lines) if line.strip()), "")
+        # torch.distributed prefixes uncaught tracebacks with "[rankN]: "; we say the rank already.
+        why = re.sub(r"^\[rank\d+\]:\s*", "", why.strip())
+        return f"rank {self.rank} {how}" + (f": {why}" if why else "")
+
+
+def _pump(rp: RankProcess) -> None:
+    """Copy a rank's stderr to ours with a rank prefix, keeping the last lines for the report."""
+    assert rp.proc.stderr is not None
+    for raw in rp.proc.stderr:
+        line = raw.decode(errors="replace").rstrip("\n")
+        rp.tail.append(line)
+        sys.stderr.write(f"[rank {rp.rank}] {line}\n")
+        sys.stderr.flush()
+
+
+def _watch(rp: RankProcess, changed: threading.Event) -> None:
+    rp.proc.wait()
+    rp.exited_at = time.monotonic()
+    changed.set()
+
+
+def _start(argv: Sequence[str], rank: int, nproc: int, port: int, extra_env: dict[str, str]) -> RankProcess:
+    env = dict(os.environ)
+    env.update(extra_env)
+    env.update(
+        RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MSHPC_BOOTSTRAP="env",
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "mshpc", *argv], env=env, stderr=subprocess.PIPE)
+    return RankProcess(rank=rank, proc=proc)
+
+
+def _stop_all(ranks: list[RankProcess]) -> None:
+    alive = [r.proc for r in ranks if r.proc.poll() is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _first_failure(ranks: list[RankProcess]) -> RankProcess | None:
+    """The earliest rank to exit non-zero: later failures are usually its echo
+    (peers see a closed connection)."""
+    failed = [r for r in ranks if r.exited_at is not None and r.proc.returncode != 0]
+    return min(failed, key=lambda r: r.exited_at or 0.0, default=None)
+
+
+def launch_local(
+    argv: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None
+) -> RankFailure | None:
+    """Run `python -m mshpc ARGV` as `nproc` ranks; return the first failure, or None."""
+    port = free_port()
+    ranks = [_start(argv, r, nproc, port, extra_env or {}) for r in range(nproc)]
+    changed = threading.Event()
+    pumps = [threading.Thread(target=_pump, args=(r,), daemon=True) for r in ranks]
+    watchers = [threading.Thread(target=_watch, args=(r, changed), daemon=True) for r in ranks]
+    for t in pumps + watchers:
+        t.start()
+    try:
+        while any(r.exited_at is None for r in ranks) and _first_failure(ranks) is None:
+            changed.wait(timeout=1.0)
+            changed.clear()
+    finally:
+        # Also on KeyboardInterrupt: never leave ranks orphaned, blocked in a collective.
+        _stop_all(ranks)
+        for t in watchers + pumps:
+            t.join(timeout=STOP_GRACE_S)
+    failed = _first_failure(ranks)
+    if failed is None:
+        return None
+    return RankFailure(rank=failed.rank, returncode=failed.proc.returncode, last_lines=tuple(failed.tail))

@@ -1,0 +1,110 @@
+"""Bootstrap: turn a `LaunchEnv` into an initialised torch.distributed process group.
+
+MPI launches rendezvous over MPI itself (rank 0 picks a free port and broadcasts it), so
+no address or port has to be agreed in advance; Slurm launches derive both from the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mshpc.errors import LaunchError
+from mshpc.launch.env import LaunchEnv, check_world
+
+log = logging.getLogger(__name__)
+
+SLURM_PORT_BASE = 20000  # job-derived ports land in [20000, 40000)
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node: str
+    backend: str
+    launcher: str
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def pick_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _mpi_rendezvous(env: LaunchEnv) -> tuple[LaunchEnv, str, int]:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise LaunchError("launched by MPI but mpi4py is not installed (pip install mpi4py)") from None
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    addr_port = (socket.gethostname(), free_port()) if comm.Get_rank() == 0 else None
+    addr, port = comm.bcast(addr_port, root=0)
+    env = dataclasses.replace(
+        env, rank=comm.Get_rank(), world_size=comm.Get_size(),
+        local_rank=local.Get_rank(), local_world_size=local.Get_size(),
+    )
+    local.Free()
+    return env, addr, port
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist, expanded by `scontrol show hostnames`."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True, text=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise LaunchError(f"cannot expand Slurm nodelist {nodelist!r} with scontrol: {exc}") from None
+    return out.split()[0]
+
+
+def _address(env: LaunchEnv) -> tuple[LaunchEnv, str, int]:
+    if env.launcher == "mpi":
+        return _mpi_rendezvous(env)
+    if env.launcher == "slurm":
+        assert env.slurm is not None
+        addr = env.master_addr or first_host(env.slurm.nodelist)
+        port = env.master_port or SLURM_PORT_BASE + env.slurm.job_id % 20000
+        return env, addr, port
+    assert env.master_addr is not None and env.master_port is not None
+    return env, env.master_addr, env.master_port
+
+
+def init_distributed(env: LaunchEnv, timeout_s: float = 600.0) -> DistInfo:
+    """Create the default process group for this rank; every rank of the job must call it."""
+    backend = pick_backend()
+    timeout = timedelta(seconds=timeout_s)
+    if env.launcher == "single":
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        env, addr, port = _address(env)
+        check_world(env, env.world_size)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{addr}:{port}", rank=env.rank,
+            world_size=env.world_size, timeout=timeout,
+        )
+    log.info("rank %d/%d on %s: %s via %s", env.rank, env.world_size, env.node, backend, env.launcher)
+    return DistInfo(
+        rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+        local_world_size=env.local_world_size, node=env.node, backend=backend, launcher=env.launcher,
+    )
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

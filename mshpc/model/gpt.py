@@ -1,0 +1,132 @@
+"""A GPT decoder: token embedding, pre-norm blocks (serial or parallel), final norm, lm head.
+
+Plain PyTorch modules that know nothing of parallelism; `parallel/` applies that from outside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mshpc.config import ModelConfig
+from mshpc.errors import ConfigError
+from mshpc.model.attention import CausalSelfAttention
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, eq. 4),
+    computed in at least fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 squares would lose the mean
+        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    """The norm named by `cfg.norm` over d_model features."""
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+    raise ConfigError(f"model.norm={cfg.norm!r} is not a norm (choose 'rmsnorm' or 'layernorm')")
+
+
+class MLP(nn.Module):
+    """d -> mlp_ratio*d -> d feed-forward with GeLU in GPT-2's tanh approximation; no biases."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block. Serial: x + attn(ln_1(x)), then + mlp(ln_2(.)). Parallel
+    (PaLM, Chowdhery et al. 2022 sec. 2; MegaScale sec. 3.1): x + attn(ln_1(x)) + mlp(ln_1(x)),
+    one norm and no ln_2."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = build_norm(cfg)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = None if cfg.parallel_block else build_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ln_2 is None:
+            h = self.ln_1(x)  # (b, s, d), shared by both branches
+            return x + self.attn(h) + self.mlp(h)
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model; positions come from RoPE inside attention, so there is no
+    learned position table. forward maps token ids (b, s) to fp32 logits (b, s, vocab)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = build_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw weights from N(0, init_std) and set norms to 1; residual output projections get
+        std / sqrt(2 * n_layer), GPT-2's scaling (Radford et al. 2019, sec. 2.3)."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for layer in self.layers:
+            for proj in (layer.attn.proj, layer.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.cfg.seq_len:
+            raise ConfigError(
+                f"input of {idx.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}"
+            )
+        x = self.dropout(self.tok_embeddings(idx))  # (b, s, d)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x)).float()  # (b, s, vocab)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters counted once each (a tied weight once). exclude_embeddings leaves out the
+        token embedding and an untied lm head: Kaplan et al. 2020's non-embedding N."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+            if not self.cfg.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits (b, s, vocab) against targets (b, s), in fp32;
+    targets of -100 are ignored."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -1,0 +1,45 @@
+"""The run directory: resolved config and per-step metrics, written by rank 0."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, TextIO
+
+from mshpc.config import Config, dump_yaml
+
+
+def run_path(cfg: Config) -> Path:
+    return Path(cfg.run.out_dir) / cfg.run.name
+
+
+def _jsonable(value: Any) -> Any:
+    # JSON has no NaN/Inf; a diverged loss must still be recorded, as null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLog:
+    """Appends one JSON object per logged step to metrics.jsonl, flushed at once so that a
+    crash loses nothing already logged."""
+
+    def __init__(self, path: Path, start_step: int) -> None:
+        # A fresh run starts a fresh file; a resumed one continues it.
+        self._file: TextIO = path.open("w" if start_step == 0 else "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def create_run_dir(cfg: Config, start_step: int = 0) -> tuple[Path, MetricsLog]:
+    """Make runs/<name>/, write the resolved config, and open the metrics log."""
+    path = run_path(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(dump_yaml(cfg))
+    return path, MetricsLog(path / "metrics.jsonl", start_step)

@@ -1,0 +1,170 @@
+"""The train loop: ties launch, data, model, data parallelism, optimizer and metrics together."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mshpc.config import Config, TrainConfig, resolve_world
+from mshpc.data.loader import BatchLoader, build_loader
+from mshpc.data.prepare import dataset_path
+from mshpc.data.shards import TokenDataset
+from mshpc.diagnose.mfu import mfu, peak_tflops
+from mshpc.errors import ConfigError, MshpcError
+from mshpc.faults import Fault, inject, parse_faults
+from mshpc.launch.env import LaunchEnv
+from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
+from mshpc.model.gpt import GPT, loss_fn
+from mshpc.optim.optimizer import build_optimizer
+from mshpc.optim.schedule import build_scheduler
+from mshpc.parallel import comm
+from mshpc.parallel.data_parallel import allreduce_gradients
+from mshpc.progress import Progress
+from mshpc.run_dir import create_run_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and in what precision this rank computes, decided once at start-up."""
+
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # None: plain fp32
+    peak_tflops: float | None
+
+
+def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is visible (choose 'auto' or 'cpu')")
+    if use_cuda:
+        torch.cuda.set_device(info.local_rank)
+        device, name = torch.device("cuda", info.local_rank), torch.cuda.get_device_name()
+    else:
+        # Ranks on one host share its cores; oversubscribing threads slows every rank.
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(cfg.cpu_threads or max(1, cores // info.local_world_size))
+        device, name = torch.device("cpu"), "cpu"
+    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and use_cuda)
+    peak = cfg.peak_tflops if cfg.peak_tflops is not None else peak_tflops(name, "bf16" if bf16 else "fp32")
+    return Runtime(device=device, autocast_dtype=torch.bfloat16 if bf16 else None, peak_tflops=peak)
+
+
+def check_supported(cfg: Config) -> None:
+    for key, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp)):
+        if value != 1:
+            raise ConfigError(f"parallel.{key}={value}: not available in this version (choose 1)")
+
+
+def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
+    """Rank 0 prepares the corpus if needed (once, not once per rank); the others wait."""
+    error = None
+    if info.rank == 0:
+        try:
+            dataset_path(cfg.data)
+        except MshpcError as exc:
+            error = exc
+    comm.raise_if_any_failed(error, "preparing the dataset")
+    dataset = TokenDataset.open(dataset_path(cfg.data), verify=info.rank == 0)
+    if dataset.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({dataset.vocab_size}); set model.vocab_size >= {dataset.vocab_size}"
+        )
+    return dataset
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, cfg: Config, rt: Runtime
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over the rank's batch (grad_accum micro-batches); collective over dp."""
+    batch = batch.to(rt.device, non_blocking=True)  # (grad_accum * micro_batch, seq_len + 1)
+    loss_sum = torch.zeros((), device=rt.device)
+    for micro in batch.split(cfg.train.micro_batch):
+        with torch.autocast(rt.device.type, dtype=rt.autocast_dtype, enabled=rt.autocast_dtype is not None):
+            loss = loss_fn(model(micro[:, :-1]), micro[:, 1:]) / cfg.train.grad_accum
+        loss.backward()
+        loss_sum += loss.detach()
+    allreduce_gradients(model, group=None, dp_size=cfg.parallel.dp)
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+def global_mean(value: torch.Tensor, dp_size: int) -> float:
+    """Collective over dp: the loss a single rank would see for the whole global batch."""
+    if dp_size > 1:
+        comm.all_reduce(value, op=dist.ReduceOp.SUM)
+        value = value / dp_size
+    return value.item()
+
+
+def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
+    dataset = open_dataset(cfg, info)
+    return build_loader(
+        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=info.rank,
+        dp_size=cfg.parallel.dp, seed=cfg.data.seed, start_step=start_step,
+        prefetch_batches=cfg.data.prefetch_batches,
+    )
+
+
+def run_training(cfg: Config, info: DistInfo, rt: Runtime, faults: tuple[Fault, ...] = ()) -> list[float]:
+    """The loop itself; returns the global mean loss of every step."""
+    torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
+    model = GPT(cfg.model).to(rt.device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    torch.manual_seed(cfg.train.seed + info.rank)  # per-rank dropout masks, as DP needs
+    loader = build_data(cfg, info, start_step=0)
+    is_logger = info.rank == 0
+    run_dir, metrics = create_run_dir(cfg) if is_logger else (None, None)
+    progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "off")
+    tokens_per_step = cfg.global_batch * cfg.model.seq_len
+    losses: list[float] = []
+    try:
+        for step in range(cfg.train.steps):
+            start, wait_before = time.perf_counter(), loader.wait_s
+            batch = next(loader)
+            inject(faults, info.rank, step)
+            loss, grad_norm = train_step(model, optimizer, batch, cfg, rt)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            losses.append(global_mean(loss, cfg.parallel.dp))
+            step_time_s = time.perf_counter() - start
+            tokens_per_s = tokens_per_step / step_time_s
+            step_mfu = mfu(tokens_per_s, cfg.model, info.world_size, rt.peak_tflops)
+            if metrics is not None and (step + 1) % cfg.run.log_interval_steps == 0:
+                metrics.write({
+                    "step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
+                    "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu,
+                    "data_wait_s": loader.wait_s - wait_before,
+                })
+            progress.update(step, losses[-1], tokens_per_s, step_mfu)
+    finally:
+        loader.close()
+        if metrics is not None:
+            metrics.close()
+    if run_dir is not None:
+        log.info("run directory: %s", run_dir)
+    return losses
+
+
+def train(cfg: Config, env: LaunchEnv) -> list[float]:
+    """Entry point for one rank: bootstrap, fit the config to the world, train, shut down."""
+    info = init_distributed(env)
+    try:
+        cfg = resolve_world(cfg, info.world_size)
+        check_supported(cfg)
+        return run_training(cfg, info, build_runtime(cfg.train, info), parse_faults(env.test_faults))
+    finally:
+        shutdown_distributed()

@@ -1,0 +1,31 @@
+"""Run the real `mshpc` command from tests and read what it leaves behind."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A model small enough that a few steps on 2 CPU ranks take seconds.
+SMALL = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.seq_len=32",
+         "optim.warmup_steps=2", "run.progress=lines", "train.cpu_threads=1"]
+
+
+def mshpc(*args: str, env: dict[str, str] | None = None, timeout_s: float = 300,
+          launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run the real `mshpc` command (optionally under a launcher such as mpiexec)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI", "OMPI_"))}
+    full_env.update(env or {})
+    return subprocess.run([*launcher, sys.executable, "-m", "mshpc", *args], capture_output=True,
+                          text=True, timeout=timeout_s, env=full_env, cwd=REPO)
+
+
+def train_args(tmp_path: Path, cache: Path, *overrides: str, name: str = "t") -> list[str]:
+    sets = [*SMALL, f"run.out_dir={tmp_path}", f"run.name={name}", f"data.cache_dir={cache}", *overrides]
+    return ["train", str(REPO / "configs/tiny.yaml"), *[a for s in sets for a in ("--set", s)]]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

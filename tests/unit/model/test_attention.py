@@ -1,0 +1,105 @@
+"""Sliding-window mask, windowed attention and RoPE against hand-written references."""
+
+import math
+
+import pytest
+import torch
+
+from mshpc.config import ModelConfig
+from mshpc.model.attention import CausalSelfAttention, apply_rope, rope_cache, sliding_window_mask
+
+
+def naive_allowed(i: int, j: int, window: int | None) -> bool:
+    """The documented convention: query i sees keys max(0, i - W + 1)..i, W tokens with itself."""
+    return j <= i and (window is None or j >= max(0, i - window + 1))
+
+
+def naive_rope(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate (x[i], x[i + hd/2]) at position p by p * theta^(-2i/hd), one pair at a time."""
+    out = x.clone()
+    hd = x.shape[-1]
+    for p in range(x.shape[-2]):
+        for i in range(hd // 2):
+            angle = p * theta ** (-2 * i / hd)
+            a, b = x[..., p, i], x[..., p, i + hd // 2]
+            out[..., p, i] = a * math.cos(angle) - b * math.sin(angle)
+            out[..., p, i + hd // 2] = a * math.sin(angle) + b * math.cos(angle)
+    return out
+
+
+def naive_attention(attn: CausalSelfAttention, x: torch.Tensor, window: int | None, theta: float):
+    """Per-query loops over the allowed keys, then the output projection."""
+    b, s, d = x.shape
+    hd = attn.head_dim
+    nh = d // hd
+    q, k, v = (x @ attn.qkv.weight.T).split(d, dim=-1)
+    q, k, v = (t.view(b, s, nh, hd).transpose(1, 2) for t in (q, k, v))  # (b, nh, s, hd)
+    q, k = naive_rope(q, theta), naive_rope(k, theta)
+    y = torch.zeros_like(q)
+    for bi in range(b):
+        for h in range(nh):
+            for i in range(s):
+                keys = [j for j in range(s) if naive_allowed(i, j, window)]
+                scores = torch.stack([q[bi, h, i] @ k[bi, h, j] for j in keys]) / math.sqrt(hd)
+                weights = torch.softmax(scores, dim=0)
+                y[bi, h, i] = sum(w * v[bi, h, j] for w, j in zip(weights, keys))
+    return y.transpose(1, 2).reshape(b, s, d) @ attn.proj.weight.T
+
+
+@pytest.mark.parametrize("s,window", [(1, 1), (6, 1), (7, 2), (7, 3), (5, 5), (5, 9), (6, None)])
+def test_mask_matches_double_loop(s, window):
+    expected = torch.tensor([[naive_allowed(i, j, window) for j in range(s)] for i in range(s)])
+    got = sliding_window_mask(s, window)
+    assert got.dtype == torch.bool and torch.equal(got, expected)
+    if window is not None:
+        assert (got.sum(dim=1) <= window).all()  # at most W keys per query, itself included
+
+
+def double_attention(window: int | None, seq_len: int = 8, theta: float = 10000.0):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        seq_len=seq_len, n_head=2, d_model=16, sliding_window=window, rope_theta=theta
+    )
+    attn = CausalSelfAttention(cfg).double()
+    # Exact float64 tables, so the comparison is limited by float64, not by fp32 angles.
+    attn.rope_cos, attn.rope_sin = rope_cache(seq_len, attn.head_dim, theta, dtype=torch.float64)
+    return attn
+
+
+@pytest.mark.parametrize("window,s", [(3, 8), (1, 8), (3, 6), (None, 8)])
+def test_attention_matches_naive_reference(window, s):
+    attn = double_attention(window, theta=100.0)
+    x = torch.randn(2, s, 16, dtype=torch.float64)
+    expected = naive_attention(attn, x, window, 100.0)
+    torch.testing.assert_close(attn(x), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_window_at_least_seq_len_equals_no_window():
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    plain = double_attention(None)(x)
+    for window in (8, 20):
+        attn = double_attention(window)
+        assert attn.mask is None  # the is_causal fast path
+        torch.testing.assert_close(attn(x), plain, rtol=0, atol=0)
+
+
+def test_rope_matches_reference_and_is_identity_at_position_zero():
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64)
+    cos, sin = rope_cache(5, 8, 10000.0, dtype=torch.float64)
+    rotated = apply_rope(x, cos, sin)
+    torch.testing.assert_close(rotated, naive_rope(x, 10000.0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rotated[:, :, 0], x[:, :, 0])
+
+
+def test_rope_score_depends_only_on_relative_position():
+    torch.manual_seed(0)
+    s, hd = 12, 8
+    q, k = torch.randn(hd, dtype=torch.float64), torch.randn(hd, dtype=torch.float64)
+    cos, sin = rope_cache(s, hd, 10000.0, dtype=torch.float64)
+    qr = apply_rope(q.expand(1, 1, s, hd), cos, sin)[0, 0]  # q placed at every position
+    kr = apply_rope(k.expand(1, 1, s, hd), cos, sin)[0, 0]
+    scores = qr @ kr.T  # (s, s): q at i against k at j
+    for offset in range(-3, 4):
+        diag = torch.diagonal(scores, offset=offset)
+        torch.testing.assert_close(diag, diag[:1].expand_as(diag), rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(scores[0, 0], scores[1, 0])  # and it does depend on i - j

@@ -1,0 +1,92 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mshpc.config import Config, dump_yaml, load_config, resolve_world
+from mshpc.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load_and_round_trip(path, tmp_path):
+    cfg = load_config(path)
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(dump_yaml(cfg))
+    assert load_config(resolved) == cfg
+
+
+def test_paper_175b_shape():
+    m = load_config(REPO / "configs/gpt-175b.yaml").model
+    assert (m.n_layer, m.d_model, m.n_head, m.seq_len) == (96, 12288, 96, 2048)
+
+
+def test_dotted_overrides_apply_with_yaml_types():
+    cfg = load_config(REPO / "configs/tiny.yaml", ["model.n_layer=2", "optim.lr=3e-4",
+                                                     "model.sliding_window=32", "model.parallel_block=false"])
+    assert cfg.model.n_layer == 2 and cfg.optim.lr == 3e-4
+    assert cfg.model.sliding_window == 32 and cfg.model.parallel_block is False
+
+
+BAD = [
+    (["model.n_layers=4"], "unknown config key 'model.n_layers' (did you mean 'n_layer'?"),
+    (["modle.n_layer=4"], "unknown config key 'modle' (did you mean 'model'?"),
+    (["train.steps=ten"], "train.steps='ten' has the wrong type (expected int)"),
+    (["train.steps=1.5"], "train.steps=1.5 has the wrong type (expected int)"),
+    (["model.parallel_block=3"], "model.parallel_block=3 has the wrong type (expected bool)"),
+    (["optim.name=sgd"], "optim.name='sgd' is not a valid choice (choose 'adamw' or 'lamb')"),
+    (["train.steps=0"], "train.steps=0 must be >= 1"),
+    (["model.n_head=3"], "model.n_head=3 does not divide model.d_model=256"),
+    (["model.n_head=8", "parallel.tp=3"], "parallel.tp=3 does not divide model.n_head=8 (choose 1, 2, 4 or 8)"),
+    (["parallel.pp=3"], "parallel.pp*parallel.virtual_stages=3 does not divide model.n_layer=4"),
+    (["optim.min_lr=1.0"], "optim.min_lr=1.0 must be <= optim.lr"),
+    (["model.sliding_window=0"], "model.sliding_window=0 must be >= 1 or null"),
+    (["model=3"], "override 'model' names a section"),
+    (["optim.lr"], "override 'optim.lr' must look like section.key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[b[0][-1] for b in BAD])
+def test_bad_input_gives_one_line_error(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "configs/tiny.yaml", overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_yaml_file_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.yaml")
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("model:\n  hidden: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'model.hidden'"):
+        load_config(unknown)
+
+
+def test_world_size_must_divide_by_model_parallel():
+    cfg = load_config(None, ["model.n_head=4", "parallel.tp=2"])
+    assert resolve_world(cfg, 4).parallel.dp == 2
+    with pytest.raises(ConfigError, match=r"world size 3 is not divisible by parallel.tp\*parallel.pp=2"):
+        resolve_world(cfg, 3)
+
+
+def test_global_batch():
+    cfg = load_config(None, ["train.micro_batch=3", "train.grad_accum=2", "parallel.dp=4"])
+    assert cfg.global_batch == 24 and cfg.world_size == 4 and isinstance(cfg, Config)
+
+
+def test_cli_prints_one_line_and_exits_2():
+    out = subprocess.run(
+        [sys.executable, "-m", "mshpc", "train", str(REPO / "configs/tiny.yaml"), "--set", "model.n_layers=3"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "ConfigError: unknown config key 'model.n_layers'" in lines[0]
