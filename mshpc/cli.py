@@ -42,6 +42,19 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_prepare)
 
 
+def _add_ckpt(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="inspect or verify checkpoints",
+                       description="Read checkpoint folders: a step-* folder or a checkpoints root.")
+    verbs = p.add_subparsers(title="actions", metavar="ACTION", required=True)
+    inspect = verbs.add_parser("inspect", help="steps, layout, tensors, sizes, age")
+    inspect.add_argument("dir", type=Path, help="a step-* folder or a folder of them")
+    inspect.add_argument("--tensors", action="store_true", help="also list every tensor")
+    inspect.set_defaults(func=cmd_ckpt_inspect)
+    verify = verbs.add_parser("verify", help="recompute every checksum; exit 1 on any mismatch")
+    verify.add_argument("dir", type=Path, help="a step-* folder or a folder of them")
+    verify.set_defaults(func=cmd_ckpt_verify)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mshpc", description="MegaScale-style LLM training on Slurm clusters."
@@ -49,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_train(sub)
     _add_prepare(sub)
+    _add_ckpt(sub)
     return parser
 
 
@@ -92,6 +106,24 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     out = prepare_corpus(args.inputs, args.out, tokenizer_spec=args.tokenizer)
     print(f"prepared {out}")
     return 0
+
+
+def cmd_ckpt_inspect(args: argparse.Namespace) -> int:
+    from mshpc.checkpoint.tools import inspect
+
+    print(inspect(args.dir, tensors=args.tensors))
+    return 0
+
+
+def cmd_ckpt_verify(args: argparse.Namespace) -> int:
+    from mshpc.checkpoint.tools import verify
+
+    good, bad = verify(args.dir)
+    for line in good:
+        print(line)
+    for line in bad:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

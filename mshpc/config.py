@@ -75,6 +75,14 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    interval_steps: int = _min(0, 0)  # save every N steps (and at the end); 0 turns saving off
+    keep: int = _min(1, 3)  # committed checkpoints kept; older ones go after a new commit
+    dir: str | None = None  # None: <run dir>/checkpoints
+    async_save: bool = True  # stage 2 (the write) in the background, overlapping training
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = _min(1, 100)
     micro_batch: int = _min(1, 8)
@@ -84,6 +92,7 @@ class TrainConfig:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     cpu_threads: int = _min(0, 0)  # torch threads per rank; 0: cores / local ranks
     peak_tflops: float | None = None  # device peak for MFU; None: from the device table
+    resume: str = "auto"  # "auto": latest good checkpoint if any; "never"; or a step-* folder
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ class RunConfig:
     name: str = "run"
     out_dir: str = "runs"
     log_interval_steps: int = _min(1, 1)
-    progress: Literal["auto", "bar", "lines", "off"] = "auto"  # auto: a bar on a TTY
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a TTY
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

@@ -15,3 +15,7 @@ class DataError(MshpcError):
 
 class LaunchError(MshpcError):
     """The launcher environment is inconsistent or a rank could not be started."""
+
+
+class CheckpointError(MshpcError):
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model."""

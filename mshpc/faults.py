@@ -3,6 +3,8 @@
 Spec: `;`-separated faults, each `KIND:rank=R:step=S`, KIND one of
   raise  raise RuntimeError in the step (a Python crash with a traceback)
   kill   SIGKILL this rank (a crash with no chance to clean up)
+  kill_in_save  SIGKILL this rank in stage 2 of the save of step S, after every shard is
+                written and before rank 0 commits (so on rank 0 the save is never committed)
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from dataclasses import dataclass
 
 from mshpc.errors import ConfigError
 
-KINDS = ("raise", "kill")
+KINDS = ("raise", "kill", "kill_in_save")
+_PHASE = {"raise": "step", "kill": "step", "kill_in_save": "save"}
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,11 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
     return tuple(_parse_one(part) for part in (spec or "").split(";") if part.strip())
 
 
-def inject(faults: tuple[Fault, ...], rank: int, step: int) -> None:
-    """Fire the faults planned for this rank at this step (0-based), if any."""
+def inject(faults: tuple[Fault, ...], rank: int, step: int, phase: str = "step") -> None:
+    """Fire the faults planned for this rank at this step (0-based) and phase, if any."""
     for fault in faults:
-        if fault.rank != rank or fault.step != step:
+        if fault.rank != rank or fault.step != step or _PHASE[fault.kind] != phase:
             continue
-        if fault.kind == "kill":
+        if fault.kind in ("kill", "kill_in_save"):
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault at rank {rank} step {step}")

@@ -18,7 +18,7 @@ class Progress:
 
     def update(self, step: int, loss: float, tokens_per_s: float, mfu: float | None) -> None:
         """Show the state after `step` (0-based) finished."""
-        if self.mode == "off":
+        if self.mode == "none":
             return
         done = step + 1
         text = f"step {done}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s"

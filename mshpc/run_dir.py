@@ -21,13 +21,30 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def _records_up_to(path: Path, step: int) -> list[str]:
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:
+            continue  # a line torn by a crash mid-write
+    return kept
+
+
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl, flushed at once so that a
     crash loses nothing already logged."""
 
     def __init__(self, path: Path, start_step: int) -> None:
-        # A fresh run starts a fresh file; a resumed one continues it.
-        self._file: TextIO = path.open("w" if start_step == 0 else "a")
+        # A fresh run starts a fresh file; a resumed one keeps the records up to its checkpoint
+        # and drops those of steps it will train again.
+        kept = _records_up_to(path, start_step) if start_step > 0 else []
+        self._file: TextIO = path.open("w")
+        self._file.writelines(kept)
+        self._file.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")

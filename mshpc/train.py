@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mshpc.checkpoint.train_checkpoint import TrainCheckpointer, checkpoint_root
 from mshpc.config import Config, TrainConfig, resolve_world
 from mshpc.data.loader import BatchLoader, build_loader
 from mshpc.data.prepare import dataset_path
@@ -27,7 +28,7 @@ from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
 from mshpc.parallel.data_parallel import allreduce_gradients
 from mshpc.progress import Progress
-from mshpc.run_dir import create_run_dir
+from mshpc.run_dir import create_run_dir, run_path
 
 log = logging.getLogger(__name__)
 
@@ -119,20 +120,24 @@ def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
 
 
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, faults: tuple[Fault, ...] = ()) -> list[float]:
-    """The loop itself; returns the global mean loss of every step."""
+    """The loop itself; returns the global mean loss of every step this process trained."""
     torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
     model = GPT(cfg.model).to(rt.device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     torch.manual_seed(cfg.train.seed + info.rank)  # per-rank dropout masks, as DP needs
-    loader = build_data(cfg, info, start_step=0)
+    ckpt = TrainCheckpointer(cfg, checkpoint_root(cfg, run_path(cfg)), info.rank, info.world_size,
+                             rt.device, model, optimizer, scheduler,
+                             before_commit=lambda step: inject(faults, info.rank, step, "save"))
+    start_step = ckpt.resume()
+    loader = build_data(cfg, info, start_step)
     is_logger = info.rank == 0
-    run_dir, metrics = create_run_dir(cfg) if is_logger else (None, None)
-    progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "off")
+    run_dir, metrics = create_run_dir(cfg, start_step) if is_logger else (None, None)
+    progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "none")
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     losses: list[float] = []
     try:
-        for step in range(cfg.train.steps):
+        for step in range(start_step, cfg.train.steps):
             start, wait_before = time.perf_counter(), loader.wait_s
             batch = next(loader)
             inject(faults, info.rank, step)
@@ -140,6 +145,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, faults: tuple[Fault, 
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(global_mean(loss, cfg.parallel.dp))
+            blocking_s = ckpt.maybe_save(step + 1)
             step_time_s = time.perf_counter() - start
             tokens_per_s = tokens_per_step / step_time_s
             step_mfu = mfu(tokens_per_s, cfg.model, info.world_size, rt.peak_tflops)
@@ -147,9 +153,10 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, faults: tuple[Fault, 
                 metrics.write({
                     "step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
                     "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu,
-                    "data_wait_s": loader.wait_s - wait_before,
+                    "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
                 })
             progress.update(step, losses[-1], tokens_per_s, step_mfu)
+        ckpt.close()
     finally:
         loader.close()
         if metrics is not None:

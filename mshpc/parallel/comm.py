@@ -7,8 +7,10 @@ hang it tells which collective each rank last entered.
 from __future__ import annotations
 
 import collections
+import json
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,3 +87,21 @@ def raise_if_any_failed(error: BaseException | None, what: str, group: dist.Proc
         raise error
     if flag.item():
         raise MshpcError(f"{what} failed on {flag.item()} other rank(s); see their error")
+
+
+def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Collective over `group`: every rank's JSON-able `value`, in rank order. JSON, not
+    pickle, so nothing a peer sends can execute code here. The group must be a CPU (gloo) one."""
+    payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    RECORDER.record(_name(group), "all_gather", 8 * world)
+    dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    RECORDER.record(_name(group), "all_gather", longest * world)
+    dist.all_gather(gathered, padded, group=group)
+    return [json.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes)]
+

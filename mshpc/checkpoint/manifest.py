@@ -1,0 +1,118 @@
+"""The checkpoint manifest: what each tensor is, which slice of it each shard file holds, and a
+checksum of its bytes. Plain JSON, written last: a folder without one is not a checkpoint.
+
+    {"format": "mshpc-checkpoint", "version": 1, "step": 100, "config_hash": "...",
+     "layout": {"dp": 2, "tp": 1, "pp": 1}, "created_unix": 1764000000.0,
+     "tensors": [{"name": "model/layers.0.attn.qkv.weight", "global_shape": [768, 256],
+                  "dtype": "float32", "file": "shard-00000.h5", "dataset": "model/layers.0...",
+                  "start": 0, "numel": 196608, "crc32": 123456}, ...],
+     "extras": {...}}      # JSON-only state: scheduler, data position, per-rank notes
+
+A tensor is a list of entries whose flat ranges [start, start + numel) tile it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mshpc.errors import CheckpointError
+
+FORMAT = "mshpc-checkpoint"
+VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    file: str
+    dataset: str
+    start: int
+    numel: int
+    crc32: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.numel
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    config_hash: str
+    layout: dict[str, int]
+    tensors: tuple[TensorEntry, ...]
+    extras: dict[str, Any] = field(default_factory=dict)
+    created_unix: float = 0.0
+
+    def by_name(self) -> dict[str, list[TensorEntry]]:
+        out: dict[str, list[TensorEntry]] = {}
+        for entry in self.tensors:
+            out.setdefault(entry.name, []).append(entry)
+        return out
+
+
+def to_json(m: Manifest) -> str:
+    data = asdict(m)
+    return json.dumps({"format": FORMAT, "version": VERSION, **data}, indent=1)
+
+
+def write_manifest(folder: Path, m: Manifest) -> None:
+    """Write and fsync the manifest: the last file of a checkpoint, so its presence means complete."""
+    path = folder / MANIFEST_FILE
+    with open(path, "w") as f:
+        f.write(to_json(m))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _entry(raw: dict[str, Any]) -> TensorEntry:
+    return TensorEntry(
+        name=str(raw["name"]), global_shape=tuple(int(d) for d in raw["global_shape"]),
+        dtype=str(raw["dtype"]), file=str(raw["file"]), dataset=str(raw["dataset"]),
+        start=int(raw["start"]), numel=int(raw["numel"]), crc32=int(raw["crc32"]),
+    )
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """Parse and check a manifest; any problem is a one-line CheckpointError naming the file."""
+    path = folder / MANIFEST_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (an incomplete checkpoint)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not an {FORMAT} v{VERSION} manifest")
+    try:
+        m = Manifest(
+            step=int(raw["step"]), config_hash=str(raw["config_hash"]),
+            layout={k: int(v) for k, v in raw["layout"].items()},
+            tensors=tuple(_entry(t) for t in raw["tensors"]), extras=dict(raw.get("extras", {})),
+            created_unix=float(raw.get("created_unix", 0.0)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+    check_tiling(m, path)
+    return m
+
+
+def check_tiling(m: Manifest, path: Path) -> None:
+    """Every tensor's slices must cover it exactly once, or a restore would read holes."""
+    for name, entries in m.by_name().items():
+        total = math.prod(entries[0].global_shape)
+        covered = 0
+        for e in sorted(entries, key=lambda e: e.start):
+            if e.start != covered or e.global_shape != entries[0].global_shape:
+                raise CheckpointError(f"{path}: tensor {name!r} slices overlap or leave a gap at {covered}")
+            covered = e.stop
+        if covered != total:
+            raise CheckpointError(f"{path}: tensor {name!r} covers {covered} of {total} elements")

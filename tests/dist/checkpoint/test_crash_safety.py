@@ -1,0 +1,94 @@
+"""Whatever breaks during or after a save, resume uses the last good checkpoint and says why."""
+
+import os
+import shutil
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from ckpt_runs import final_params, losses, run
+from cli_runner import mshpc, read_metrics
+
+
+def assert_same_final_model(a_root, b_root):
+    want, got = final_params(a_root), final_params(b_root)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert np.array_equal(want[name], got[name]), name
+
+
+def copy_run(straight, tmp_path, name):
+    shutil.copytree(straight / "straight", tmp_path / name, symlinks=True)
+    return tmp_path / name / "checkpoints"
+
+
+def test_kill_during_stage_2_leaves_the_previous_checkpoint(straight, tmp_path, corpus_cache):
+    run(tmp_path, corpus_cache, "k", faults="kill_in_save:rank=0:step=8", expect=137)
+    root = tmp_path / "k" / "checkpoints"
+    assert os.readlink(root / "latest") == "step-0000004"
+    assert (root / "step-0000008.tmp").is_dir()  # shards written, never committed
+    out = run(tmp_path, corpus_cache, "k")
+    assert "resumed from step 4" in out.stderr
+    assert not (root / "step-0000008.tmp").exists()
+    assert_same_final_model(straight / "straight" / "checkpoints", root)
+    assert losses(tmp_path, "k") == losses(straight, "straight")
+
+
+def test_truncated_shard_falls_back_and_names_the_file(straight, tmp_path, corpus_cache):
+    root = copy_run(straight, tmp_path, "t")
+    shard = root / "step-0000008" / "shard-00000.h5"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    out = run(tmp_path, corpus_cache, "t")
+    assert "step-0000008 is unusable, trying an older one" in out.stderr
+    assert "shard-00000.h5" in out.stderr
+    assert "resumed from step 4" in out.stderr
+    assert_same_final_model(straight / "straight" / "checkpoints", root)
+
+
+def test_flipped_byte_falls_back_and_names_tensor_and_file(straight, tmp_path, corpus_cache):
+    root = copy_run(straight, tmp_path, "f")
+    shard = root / "step-0000008" / "shard-00000.h5"
+    with h5py.File(shard, "r") as f:
+        offset = f["model/layers.1.mlp.fc.weight"].id.get_offset()
+    with open(shard, "r+b") as f:
+        f.seek(offset + 10)
+        byte = f.read(1)
+        f.seek(offset + 10)
+        f.write(bytes([byte[0] ^ 0x01]))
+    verify = mshpc("ckpt", "verify", str(root))
+    assert verify.returncode == 1
+    assert "shard-00000.h5:model/layers.1.mlp.fc.weight: checksum mismatch" in verify.stderr
+    out = run(tmp_path, corpus_cache, "f")
+    assert "checksum mismatch for tensor 'model/layers.1.mlp.fc.weight'" in out.stderr
+    assert "resumed from step 4" in out.stderr
+    assert_same_final_model(straight / "straight" / "checkpoints", root)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2 MiB tmpfs: room for one checkpoint of the test model (1.4 MiB), not two."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs in CI: {mounted.stderr.decode().strip()}")
+        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_fails_the_save_and_keeps_the_last_good_one(small_tmpfs, tmp_path, corpus_cache):
+    where = f"checkpoint.dir={small_tmpfs}"
+    out = run(tmp_path, corpus_cache, "d", where, expect=2)
+    last = out.stderr.strip().splitlines()[-1]
+    assert "CheckpointError: checkpoint of step 8 failed" in last and "No space left on device" in last
+    assert os.readlink(small_tmpfs / "latest") == "step-0000004"
+    assert len(losses(tmp_path, "d")) == 8  # what was trained and logged before the failure is kept
+    # the disk is still full: resume and train on without saving
+    out = run(tmp_path, corpus_cache, "d", where, "train.steps=6", "checkpoint.interval_steps=0")
+    assert "resumed from step 4" in out.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "d")] == [1, 2, 3, 4, 5, 6]
