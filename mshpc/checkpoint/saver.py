@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import mmap
 import shutil
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mshpc.checkpoint.h5_shard import write_shard
+from mshpc.checkpoint.h5_shard import ALIGN_BYTES, write_shard
 from mshpc.checkpoint.manifest import Manifest, TensorEntry, write_manifest
 from mshpc.checkpoint.paths import prune, publish, tmp_dir
 from mshpc.checkpoint.tensor_slice import TensorSlice
@@ -39,28 +40,38 @@ class SaveTarget:
 
 
 class HostSnapshot:
-    """Stage 1: host copies of the slices. On GPU the pinned buffers are kept for the next save,
-    so the copy is a DMA, not an allocation."""
+    """Stage 1: host copies of the slices, into buffers kept from one save to the next (pinned
+    on GPU, so the copy is a DMA): a save pays a copy, not an allocation and its page faults.
+    Safe to reuse because only one save is in flight."""
 
     def __init__(self) -> None:
-        self._pinned: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def _buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._buffers[name] = _host_buffer(t)
+        return buf
 
     def take(self, slices: dict[str, TensorSlice]) -> dict[str, TensorSlice]:
         out, on_gpu = {}, False
         for name, piece in slices.items():
             t = piece.tensor.detach()
-            if t.is_cuda:
-                on_gpu = True
-                buf = self._pinned.get(name)
-                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                    buf = self._pinned[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host = buf.copy_(t, non_blocking=True)
-            else:
-                host = t.clone()
+            on_gpu = on_gpu or t.is_cuda
+            host = self._buffer(name, t).copy_(t, non_blocking=t.is_cuda)
             out[name] = dataclasses.replace(piece, tensor=host)
         if on_gpu:
             torch.cuda.current_stream().synchronize()  # the copies must land before we return
         return out
+
+
+def _host_buffer(t: torch.Tensor) -> torch.Tensor:
+    """Pinned memory for a GPU tensor; page-aligned memory (an anonymous mmap) for a large CPU
+    one, so the shard writer can hand it to O_DIRECT as it is."""
+    nbytes = t.numel() * t.element_size()
+    if t.is_cuda or nbytes < ALIGN_BYTES:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=t.dtype, count=t.numel()).view(t.shape)
 
 
 def _shard_name(rank: int) -> str:

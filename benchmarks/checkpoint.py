@@ -1,0 +1,162 @@
+"""Claim: an mshpc checkpoint costs the train loop almost nothing and persists near disk speed.
+
+One run, one state (>= 1 GiB of fp32 "parameters + Adam moments"), side by side:
+blocking time of mshpc's two-stage save vs torch.save vs torch.distributed.checkpoint (sync
+and async_save); mshpc's full persist throughput vs the disk's own sequential write bandwidth
+(dd, direct I/O, same size, same folder); restore time of each from a cold page cache.
+
+    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--dir /tmp/mshpc-ckpt-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from mshpc.checkpoint.manifest import read_manifest
+from mshpc.checkpoint.paths import step_dir
+from mshpc.checkpoint.reader import CheckpointReader
+from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
+from mshpc.checkpoint.tensor_slice import TensorSlice
+
+TENSOR_MB = 64  # per tensor, like one large weight matrix or its moment
+
+
+def make_state(gib: float) -> dict[str, torch.Tensor]:
+    n = max(3, round(gib * 1024 / TENSOR_MB))
+    numel = TENSOR_MB * 2**20 // 4
+    return {f"{kind}/w{i}": torch.randn(numel) for i in range(n // 3) for kind in ("model", "exp_avg", "exp_avg_sq")}
+
+
+def drop_caches() -> None:
+    # Cold reads for every restore, or the second reader would be timed against RAM.
+    subprocess.run(["sync"], check=False)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass
+
+
+def dd_write_gbps(folder: Path, nbytes: int) -> float:
+    target = folder / "dd.bin"
+    count = max(1, nbytes // 2**20)
+    start = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={count}", "oflag=direct",
+                    "conv=fsync", "status=none"], check=True)
+    elapsed = time.perf_counter() - start
+    target.unlink()
+    return count * 2**20 / elapsed / 1e9
+
+
+def bench_mshpc(state: dict[str, torch.Tensor], root: Path) -> dict[str, float]:
+    group = dist.new_group(backend="gloo")
+    target = SaveTarget(root=root, keep=2, layout={"dp": 1, "tp": 1, "pp": 1}, config_hash="bench")
+    saver = CheckpointSaver(target, rank=0, group=group, async_save=True)
+    slices = {k: TensorSlice.whole(v) for k, v in state.items()}
+    # The first save also allocates the host buffers that every later save reuses; a training
+    # run saves many times, so the steady state is the second save.
+    first_blocking = saver.save(1, slices, extras={})
+    saver.wait()
+    start = time.perf_counter()
+    blocking = saver.save(2, slices, extras={})
+    saver.wait()
+    persist = time.perf_counter() - start
+    return {"blocking_s": blocking, "first_blocking_s": first_blocking, "persist_s": persist,
+            "restore_s": restore_in_fresh_process("mshpc", step_dir(root, 2))}
+
+
+def bench_torch_save(state: dict[str, torch.Tensor], folder: Path) -> dict[str, float]:
+    path = folder / "state.pt"
+    start = time.perf_counter()
+    torch.save(state, path)
+    blocking = time.perf_counter() - start
+    return {"blocking_s": blocking, "restore_s": restore_in_fresh_process("torch", path)}
+
+
+def bench_dcp(state: dict[str, torch.Tensor], folder: Path) -> dict[str, float]:
+    start = time.perf_counter()
+    dcp.save(state, checkpoint_id=str(folder / "sync"))
+    sync_s = time.perf_counter() - start
+    start = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=str(folder / "async"))
+    async_blocking = time.perf_counter() - start
+    future.result()
+    async_persist = time.perf_counter() - start
+    return {"sync_s": sync_s, "async_blocking_s": async_blocking, "async_persist_s": async_persist,
+            "restore_s": restore_in_fresh_process("dcp", folder / "sync")}
+
+
+def restore_in_fresh_process(kind: str, path: Path) -> float:
+    """A restore happens after a restart: time it in a new process, from a cold page cache."""
+    drop_caches()
+    out = subprocess.run([sys.executable, __file__, "--restore", kind, str(path)], check=True,
+                         capture_output=True, text=True)
+    return float(out.stdout.split()[-1])
+
+
+def restore(kind: str, path: Path) -> float:
+    """Read every tensor of the state into freshly allocated memory, as a restarted job does."""
+    start = time.perf_counter()
+    if kind == "mshpc":
+        reader = CheckpointReader(path, read_manifest(path))
+        state = {name: reader.read_whole(name) for name in reader.names()}
+        reader.close()
+    elif kind == "torch":
+        state = torch.load(path, weights_only=True)
+    else:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        state = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in meta.state_dict_metadata.items()}
+        dcp.load(state, checkpoint_id=str(path))
+    assert state
+    return time.perf_counter() - start
+
+
+def line(metric: str, value: float, unit: str, baseline: float) -> str:
+    return json.dumps({"bench": "checkpoint", "metric": metric, "value": round(value, 4), "unit": unit,
+                       "baseline": round(baseline, 4), "ratio": round(value / baseline, 4)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/mshpc-ckpt-bench"))
+    parser.add_argument("--restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.restore:
+        print(restore(args.restore[0], Path(args.restore[1])))
+        return
+    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    state = make_state(args.gib)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    try:
+        disk = dd_write_gbps(args.dir, nbytes)
+        ours = bench_mshpc(state, args.dir / "mshpc")
+        plain = bench_torch_save(state, args.dir)
+        ref = bench_dcp(state, args.dir / "dcp")
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(args.dir, ignore_errors=True)
+    print(json.dumps({"bench": "checkpoint", "metric": "state_size", "value": round(nbytes / 2**30, 3), "unit": "GiB"}))
+    print(line("blocking_time_vs_torch_save", ours["blocking_s"], "s", plain["blocking_s"]))
+    print(line("first_save_blocking_time_vs_torch_save", ours["first_blocking_s"], "s", plain["blocking_s"]))
+    print(line("blocking_time_vs_dcp_sync_save", ours["blocking_s"], "s", ref["sync_s"]))
+    print(line("blocking_time_vs_dcp_async_save", ours["blocking_s"], "s", ref["async_blocking_s"]))
+    print(line("persist_throughput_vs_dd_direct_write", nbytes / ours["persist_s"] / 1e9, "GB/s", disk))
+    print(line("persist_time_vs_dcp_async_save", ours["persist_s"], "s", ref["async_persist_s"]))
+    print(line("restore_time_vs_dcp_load", ours["restore_s"], "s", ref["restore_s"]))
+    print(line("restore_time_vs_torch_load", ours["restore_s"], "s", plain["restore_s"]))
+
+
+if __name__ == "__main__":
+    main()
