@@ -7,13 +7,29 @@ BIN := $(VENV)/bin
 CPU_TORCH := torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: run test setup setup-test clean
+.PHONY: run test setup setup-test system-tools clean slurm-up slurm-down
 
 run: setup
 	$(BIN)/mshpc train configs/tiny.yaml
 
-test: setup-test
+test: setup-test system-tools slurm-up
 	$(BIN)/python -m pytest tests -q
+
+# h5ls/h5dump, which the checkpoint tests use to show a checkpoint opens in the standard tools.
+system-tools:
+	@command -v h5ls >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get install -y -q hdf5-tools >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null && apt-get install -y -q hdf5-tools >/dev/null)) ; } || \
+	  echo "mshpc: h5ls unavailable (not root): its test will skip"
+
+# The real local Slurm (tests/slurm/cluster.sh): installed and started when root, reused when up.
+# Not root: the tests marked `slurm` skip with the reason (and fail instead under CI=true).
+slurm-up:
+	@if [ "$$(id -u)" = 0 ]; then bash tests/slurm/cluster.sh start; \
+	else echo "mshpc: not root: the local Slurm is not started; tests marked slurm will skip"; fi
+
+slurm-down:
+	bash tests/slurm/cluster.sh stop
 
 setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test

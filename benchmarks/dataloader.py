@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from mshpc.config import load_config, resolve_world
 from mshpc.data.loader import build_loader
 from mshpc.data.prepare import dataset_path
 from mshpc.data.shards import TokenDataset
 from mshpc.model.gpt import GPT
-from mshpc.optim.optimizer import build_optimizer
+from mshpc.parallel.zero import build_zero_engine
 from mshpc.train import Runtime, train_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,15 +40,14 @@ def loader_tokens_per_s(cfg, dataset: TokenDataset, batches: int) -> float:
 def model_tokens_per_s(cfg, dataset: TokenDataset, steps: int) -> float:
     """Full train steps (forward, backward, optimizer) of the model on this machine's CPU."""
     torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
-    optimizer = build_optimizer(model, cfg.optim)
+    engine = build_zero_engine(GPT(cfg.model), cfg.optim, cfg.parallel)
     rt = Runtime(device=torch.device("cpu"), autocast_dtype=None, peak_tflops=None)
     with build_loader(dataset, cfg.model.seq_len, cfg.global_batch, 0, 1, cfg.data.seed, 0,
                       cfg.data.prefetch_batches) as loader:
-        train_step(model, optimizer, next(loader), cfg, rt)  # warm-up
+        train_step(engine, next(loader), cfg, rt)  # warm-up
         start = time.perf_counter()
         for _ in range(steps):
-            train_step(model, optimizer, next(loader), cfg, rt)
+            train_step(engine, next(loader), cfg, rt)
         elapsed = time.perf_counter() - start
     return steps * cfg.global_batch * cfg.model.seq_len / elapsed
 
@@ -60,8 +60,10 @@ def main() -> None:
     # One rank with the tiny config's per-rank batch: what each rank's loader must keep up with.
     cfg = resolve_world(load_config(args.config, ["parallel.dp=1"]), 1)
     dataset = TokenDataset.open(dataset_path(cfg.data), verify=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     consumed = model_tokens_per_s(cfg, dataset, args.steps)
     delivered = loader_tokens_per_s(cfg, dataset, batches=max(200, 10 * args.steps))
+    dist.destroy_process_group()
     print(json.dumps({
         "bench": "dataloader", "metric": "loader_tokens_per_s_vs_model_consumption",
         "value": round(delivered), "unit": "tokens/s", "baseline": round(consumed),

@@ -55,6 +55,31 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     verify.set_defaults(func=cmd_ckpt_verify)
 
 
+def _add_submit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "submit", help="submit a training job to Slurm (or run it locally)",
+        description="Submit CONFIG as a Slurm job through submitit: NODES x TASKS_PER_NODE ranks, "
+        "checkpointed and requeued before the time limit. Prints the job id and folder (the rendered "
+        "sbatch script and per-rank logs); --wait waits and prints the finished run.",
+    )
+    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (repeatable)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=0)
+    p.add_argument("--tasks-per-node", type=int, default=None,
+                   help="ranks per node (default: one per GPU; on CPU, the config's world / nodes)")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--time", default="01:00:00", help="Slurm time limit, e.g. 90 or 2-00:00:00")
+    p.add_argument("--cluster", default=None, choices=("slurm", "local"),
+                   help="default: slurm where srun is on PATH, else local")
+    p.add_argument("--folder", default=None, help="job files (default: <run.out_dir>/slurm/<job id>)")
+    p.add_argument("--slurm", action="append", default=[], metavar="KEY=VALUE",
+                   help="another Slurm parameter, e.g. --slurm account=proj --slurm exclude=n3 (repeatable)")
+    p.add_argument("--wait", action="store_true", help="wait for the job and print its result")
+    p.set_defaults(func=cmd_submit)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mshpc", description="MegaScale-style LLM training on Slurm clusters."
@@ -63,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_prepare(sub)
     _add_ckpt(sub)
+    _add_submit(sub)
     return parser
 
 
@@ -98,6 +124,32 @@ def _launch_local(args: argparse.Namespace, nproc: int) -> int:
         return 0
     print(f"mshpc: {failure.describe()}", file=sys.stderr)
     return failure.exit_code
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    import yaml
+
+    from mshpc.launch.submit import submit
+
+    extra = {}
+    for item in args.slurm:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise LaunchError(f"--slurm {item!r} must look like key=value")
+        extra[key] = yaml.safe_load(value)
+    job = submit(args.config, overrides=args.set, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                 tasks_per_node=args.tasks_per_node, partition=args.partition, time=args.time,
+                 cluster=args.cluster, folder=args.folder, **extra)
+    print(f"submitted job {job.job_id}: folder {job.folder}, run {job.run_dir}")
+    if not args.wait:
+        return 0
+    try:
+        result = job.result()
+    except LaunchError as exc:
+        print(f"mshpc: {exc}", file=sys.stderr)
+        return 1
+    print(f"finished {result.run_dir}: step {result.steps}, loss {result.final_loss}")
+    return 0
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

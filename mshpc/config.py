@@ -50,6 +50,10 @@ class ParallelConfig:
     tp: int = _min(1, 1)
     pp: int = _min(1, 1)
     virtual_stages: int = _min(1, 1)
+    dp_overlap: bool = True  # reduce-scatter during backward, all-gather during the next forward
+    # MiB of fp32 gradients per bucket (one reduce-scatter, one all-gather), DDP's default;
+    # smaller buckets start communicating earlier in backward, at more per-collective overhead
+    bucket_mb: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,15 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class SlurmConfig:
+    # Slurm's pre-timeout signal (sbatch --signal): checkpoint, requeue, exit. Not USR1 by
+    # default: NCCL may catch it.
+    preempt_signal: Literal["USR2", "USR1"] = "USR2"
+    # a requeue loop stops after this many consecutive failures that left no newer checkpoint
+    max_failures_without_progress: int = _min(0, 3)
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -112,6 +125,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
     @property
     def world_size(self) -> int:
@@ -304,6 +318,8 @@ def _check_parallel(cfg: Config) -> None:
             f"parallel.pp*parallel.virtual_stages={stages} does not divide "
             f"model.n_layer={m.n_layer} (choose a product among {_divisors(m.n_layer)})"
         )
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (MiB of fp32 gradients per bucket)")
 
 
 def validate(cfg: Config) -> Config:

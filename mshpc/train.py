@@ -9,8 +9,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from mshpc.checkpoint.train_checkpoint import TrainCheckpointer, checkpoint_root
 from mshpc.config import Config, TrainConfig, resolve_world
@@ -21,12 +19,12 @@ from mshpc.diagnose.mfu import mfu, peak_tflops
 from mshpc.errors import ConfigError, MshpcError
 from mshpc.faults import Fault, inject, parse_faults
 from mshpc.launch.env import LaunchEnv
+from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.model.gpt import GPT, loss_fn
-from mshpc.optim.optimizer import build_optimizer
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
-from mshpc.parallel.data_parallel import allreduce_gradients
+from mshpc.parallel.zero import ZeroEngine, build_zero_engine
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
 
@@ -84,30 +82,27 @@ def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, cfg: Config, rt: Runtime
+    engine: ZeroEngine, batch: torch.Tensor, cfg: Config, rt: Runtime
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over the rank's batch (grad_accum micro-batches); collective over dp."""
+    """One optimizer step over the rank's batch (grad_accum micro-batches); collective over dp.
+    Returns the loss averaged over the global batch and the global grad norm before clipping."""
     batch = batch.to(rt.device, non_blocking=True)  # (grad_accum * micro_batch, seq_len + 1)
     loss_sum = torch.zeros((), device=rt.device)
-    for micro in batch.split(cfg.train.micro_batch):
+    micros = batch.split(cfg.train.micro_batch)
+    for i, micro in enumerate(micros):
+        # bf16 autocast on GPU: the parameters and their gradients stay fp32, so the engine
+        # accumulates and reduces gradients in fp32
         with torch.autocast(rt.device.type, dtype=rt.autocast_dtype, enabled=rt.autocast_dtype is not None):
-            loss = loss_fn(model(micro[:, :-1]), micro[:, 1:]) / cfg.train.grad_accum
-        loss.backward()
+            loss = loss_fn(engine.model(micro[:, :-1]), micro[:, 1:]) / cfg.train.grad_accum
+        engine.backward(loss, sync=i == len(micros) - 1)  # communicate on the last micro-batch only
         loss_sum += loss.detach()
-    allreduce_gradients(model, group=None, dp_size=cfg.parallel.dp)
-    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
-
-
-def global_mean(value: torch.Tensor, dp_size: int) -> float:
-    """Collective over dp: the loss a single rank would see for the whole global batch."""
-    if dp_size > 1:
-        comm.all_reduce(value, op=dist.ReduceOp.SUM)
-        value = value / dp_size
-    return value.item()
+    # Started before step() queues the parameter all-gathers, so waiting for it (and the .item()
+    # the loop does) never waits for them: they overlap the next forward.
+    loss_reduce = comm.all_reduce(loss_sum, group=engine.group, async_op=True)
+    grad_norm = engine.step(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
+    if loss_reduce is not None:
+        loss_reduce.wait()
+    return loss_sum / cfg.parallel.dp, grad_norm
 
 
 def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
@@ -119,15 +114,17 @@ def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
     )
 
 
-def run_training(cfg: Config, info: DistInfo, rt: Runtime, faults: tuple[Fault, ...] = ()) -> list[float]:
+def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
+                 faults: tuple[Fault, ...] = ()) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
     torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
     model = GPT(cfg.model).to(rt.device)
-    optimizer = build_optimizer(model, cfg.optim)
+    engine = build_zero_engine(model, cfg.optim, cfg.parallel)  # collective over dp: every size
+    optimizer = engine.optimizer  # over this rank's fp32 shard
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     torch.manual_seed(cfg.train.seed + info.rank)  # per-rank dropout masks, as DP needs
     ckpt = TrainCheckpointer(cfg, checkpoint_root(cfg, run_path(cfg)), info.rank, info.world_size,
-                             rt.device, model, optimizer, scheduler,
+                             engine, scheduler,
                              before_commit=lambda step: inject(faults, info.rank, step, "save"))
     start_step = ckpt.resume()
     loader = build_data(cfg, info, start_step)
@@ -141,10 +138,10 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, faults: tuple[Fault, 
             start, wait_before = time.perf_counter(), loader.wait_s
             batch = next(loader)
             inject(faults, info.rank, step)
-            loss, grad_norm = train_step(model, optimizer, batch, cfg, rt)
+            loss, grad_norm = train_step(engine, batch, cfg, rt)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            losses.append(global_mean(loss, cfg.parallel.dp))
+            losses.append(loss.item())
             blocking_s = ckpt.maybe_save(step + 1)
             step_time_s = time.perf_counter() - start
             tokens_per_s = tokens_per_step / step_time_s
@@ -156,6 +153,12 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, faults: tuple[Fault, 
                     "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
                 })
             progress.update(step, losses[-1], tokens_per_s, step_mfu)
+            stop = watcher.should_stop()  # collective over the world: all ranks agree
+            if stop is not None:
+                if blocking_s is None:
+                    ckpt.save(step + 1)
+                ckpt.close()
+                watcher.stop(stop, info.rank, cfg)  # rank 0 requeues if asked; raises JobStopped
         ckpt.close()
     finally:
         loader.close()
@@ -168,10 +171,12 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, faults: tuple[Fault, 
 
 def train(cfg: Config, env: LaunchEnv) -> list[float]:
     """Entry point for one rank: bootstrap, fit the config to the world, train, shut down."""
-    info = init_distributed(env)
+    watcher = watch_signals(cfg, env)  # first: a signal during start-up must not kill the rank
     try:
+        info = init_distributed(env)
         cfg = resolve_world(cfg, info.world_size)
         check_supported(cfg)
-        return run_training(cfg, info, build_runtime(cfg.train, info), parse_faults(env.test_faults))
+        return run_training(cfg, info, build_runtime(cfg.train, info), watcher, parse_faults(env.test_faults))
     finally:
+        watcher.close()
         shutdown_distributed()

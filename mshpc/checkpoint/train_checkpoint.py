@@ -9,16 +9,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from mshpc.checkpoint.paths import remove_stale_tmp
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.restore import candidates, resume_from
 from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
-from mshpc.checkpoint.state import (apply_model, apply_optimizer, apply_rng, model_slices,
-                                    optimizer_slices, rng_slices, stage_replicated, stage_rng)
+from mshpc.checkpoint.state import apply_rng, model_slices, rng_slices, stage_rng
 from mshpc.config import Config, config_hash
 from mshpc.errors import CheckpointError
+from mshpc.parallel.sharded_optim import STATE_KEYS
+from mshpc.parallel.zero import ZeroEngine
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +30,11 @@ def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
 class TrainCheckpointer:
     """Collective over the world: every rank calls `resume`, `maybe_save` and `close` alike."""
 
-    def __init__(self, cfg: Config, root: Path, rank: int, world_size: int, device: torch.device,
-                 model: nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, cfg: Config, root: Path, rank: int, world_size: int, engine: ZeroEngine,
                  scheduler: torch.optim.lr_scheduler.LRScheduler,
                  before_commit: Callable[[int], None] = lambda step: None) -> None:
-        self.cfg, self.root, self.rank, self.world_size, self.device = cfg, root, rank, world_size, device
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.cfg, self.root, self.rank, self.world_size = cfg, root, rank, world_size
+        self.engine, self.optimizer, self.scheduler = engine, engine.optimizer, scheduler
         # A CPU group of its own: the saver's thread talks on it while the loop uses the default one.
         self.group = dist.new_group(backend="gloo")
         p = cfg.parallel
@@ -63,10 +62,16 @@ class TrainCheckpointer:
         interval = self.cfg.checkpoint.interval_steps
         if interval == 0 or (step % interval and step != self.cfg.train.steps):
             return None
-        slices = rng_slices(self.rank)
-        if self.rank == 0:  # replicated state: one writer for the replica group
-            slices.update(model_slices(self.model))
-            slices.update(optimizer_slices(self.model, self.optimizer))
+        return self.save(step)
+
+    def save(self, step: int) -> float:
+        """Save now, after `step` optimizer steps; return the seconds the loop was blocked."""
+        self.engine.wait_params()  # the weights of this step, not half-gathered ones
+        slices = {**rng_slices(self.rank), **self.engine.state_slices()}
+        if self.rank == 0:
+            # The dp-replicated weights, for inference and inspection; resume rebuilds them
+            # from the fp32 masters instead, so they are written once and never read back.
+            slices.update(model_slices(self.engine.model))
         return self.saver.save(step, slices, self._extras(step))
 
     def close(self) -> None:
@@ -95,19 +100,21 @@ class TrainCheckpointer:
         return manifest.step
 
     def _stage(self, reader: CheckpointReader) -> Callable[[], None]:
-        params = dict(self.model.named_parameters())
-        for name, p in params.items():
-            if reader.global_shape(f"model/{name}") != tuple(p.shape):
-                raise CheckpointError(f"{reader.folder}: model/{name} has shape "
-                                      f"{reader.global_shape(f'model/{name}')}, the model {tuple(p.shape)}")
-        names = reader.names("model/") + reader.names("optim.")
-        staged = stage_replicated(reader, names, is_reader=self.rank == 0)
+        """Read and verify this rank's own shard of the state (1/dp of it: no two ranks read the
+        same bytes) into the reader's cache, so installing it cannot fail half-way."""
+        for piece in self.engine.pieces:
+            shape = reader.global_shape(f"master/{piece.name}")
+            if shape != piece.shape:
+                raise CheckpointError(f"{reader.folder}: master/{piece.name} has shape {shape}, "
+                                      f"the model {piece.shape}")
+            for prefix in ("master", *(f"optim.{k}" for k in STATE_KEYS)):
+                reader.read(f"{prefix}/{piece.name}", piece.start, piece.tensor.numel())
+        reader.read("optim.step", 0, 1)
         extras = reader.manifest.extras
         rng = stage_rng(reader, self.rank, same_world=extras.get("world_size") == self.world_size)
 
         def install() -> None:
-            apply_model(self.model, staged, self.device, src=0, group=None)
-            apply_optimizer(self.model, self.optimizer, reader, staged, self.device, src=0, group=None)
+            self.engine.load_state_slices(reader.read)  # collective over dp: re-gathers the weights
             apply_rng(rng)
             self.scheduler.load_state_dict(extras["scheduler"])
             for group, lr in zip(self.optimizer.param_groups, extras["group_lrs"]):

@@ -29,6 +29,7 @@ class SlurmEnv:
     nodelist: str  # compressed hostlist of the step (or job), e.g. "node[1-3]"
     array_job_id: int | None
     array_task_id: int | None
+    restart_count: int = 0  # SLURM_RESTART_COUNT: how often this job was requeued
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def _slurm(env: Mapping[str, str]) -> SlurmEnv | None:
         nodelist=env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""),
         array_job_id=_int(env, "SLURM_ARRAY_JOB_ID"),
         array_task_id=_int(env, "SLURM_ARRAY_TASK_ID"),
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0),  # type: ignore[arg-type]
     )
 
 

@@ -1,0 +1,278 @@
+"""Pre-timeout checkpoint and requeue: the signal watcher the train loop polls, `scontrol requeue`,
+and the guards that keep a requeue loop from spinning forever.
+
+A job's exit code says what should happen next (sbatch/train.sbatch and `mshpc.submit` keep to it):
+  0                   finished; the run's FINISHED marker names the job, so a requeue of it does nothing
+  2 (DO_NOT_REQUEUE)  a user error (any MshpcError: config, data, checkpoint); retrying cannot help
+  128+N               stopped by signal N after a stop checkpoint (N = the preempt signal: requeued)
+  anything else       a crash: requeued while slurm.max_failures_without_progress allows
+
+`python -m mshpc.launch.requeue check|after RC CONFIG [--set k=v ...]` is the batch script's side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, NoReturn
+
+from mshpc.config import Config, SlurmConfig, load_config
+from mshpc.errors import MshpcError
+from mshpc.launch.env import LaunchEnv, SlurmEnv, read_launch_env
+from mshpc.run_dir import run_path
+
+log = logging.getLogger(__name__)
+
+DO_NOT_REQUEUE_EXIT = 2  # the CLI's exit code for any MshpcError (cli.USER_ERROR_EXIT)
+FINISHED_FILE = "FINISHED"
+STATE_FILE = "requeue.json"
+_STOP, _REQUEUE = 1, 2  # what a signal asks for; the strongest one received wins
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """What the ranks agreed on at a step boundary: checkpoint, then stop (and requeue?)."""
+
+    signum: int
+    requeue: bool
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum  # as a shell reports a death by this signal
+
+
+class JobStopped(SystemExit):
+    """Raised on every rank after the stop checkpoint. A SystemExit, not an MshpcError: the CLI
+    must not turn it into the do-not-requeue code, and submitit must not record a result."""
+
+
+class PreemptionWatcher:
+    """Signal handlers that only set a flag; the train loop polls `should_stop` at step boundaries."""
+
+    def __init__(self, cfg: SlurmConfig, env: LaunchEnv, wants: dict[int, int]) -> None:
+        self.cfg, self.env, self.wants = cfg, env, wants
+        self.received = 0
+        self._previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.received = max(self.received, self.wants[signum])
+
+    def install(self) -> None:
+        for signum in self.wants:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def close(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def __enter__(self) -> PreemptionWatcher:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def should_stop(self, group: Any = None) -> StopRequest | None:
+        """Collective over `group` (the world when None): whether any rank was signalled, and how."""
+        # imported here: the batch script's guard (`check`/`after`) runs without torch
+        import torch
+        import torch.distributed as dist
+
+        from mshpc.parallel import comm
+
+        flag = torch.tensor([self.received], device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        comm.all_reduce(flag, group=group, op=dist.ReduceOp.MAX)
+        level = int(flag.item())
+        if level == 0:
+            return None
+        if level == _REQUEUE:
+            return StopRequest(signal.Signals["SIG" + self.cfg.preempt_signal].value, requeue=True)
+        return StopRequest(signal.SIGTERM.value, requeue=False)
+
+    def stop(self, request: StopRequest, rank: int, cfg: Config) -> NoReturn:
+        """Collective over the world, after the stop checkpoint is committed: rank 0 requeues the
+        job when asked (and the guard allows), the others wait for it, then every rank exits."""
+        if rank == 0:
+            log.warning("stopping after a checkpoint (signal %s)", signal.Signals(request.signum).name)
+            if request.requeue:
+                requeue_guarded(self.env, cfg)
+        from mshpc.parallel import comm
+
+        comm.barrier()  # nobody exits first: srun --kill-on-bad-exit would kill rank 0 mid-requeue
+        raise JobStopped(request.exit_code)
+
+
+def watch_signals(cfg: Config, env: LaunchEnv) -> PreemptionWatcher:
+    """Install the handlers: the preempt signal asks for checkpoint + requeue; under MPI also USR1
+    (MPICH's mpiexec forwards no other; the template translates); under Slurm, SIGTERM (scancel,
+    the time limit) asks for checkpoint + stop while Slurm's KillWait lasts."""
+    wants = {signal.Signals["SIG" + cfg.slurm.preempt_signal].value: _REQUEUE}
+    if env.launcher == "mpi":
+        wants[signal.SIGUSR1.value] = _REQUEUE
+    if env.slurm is not None:
+        wants[signal.SIGTERM.value] = _STOP
+    watcher = PreemptionWatcher(cfg.slurm, env, wants)
+    watcher.install()
+    return watcher
+
+
+# ---------------------------------------------------------------- requeue and its guards
+
+
+def job_key(slurm: SlurmEnv) -> str:
+    """What `scontrol` calls this job: ARRAYJOB_TASK for an array task, else the job id."""
+    if slurm.array_job_id is not None and slurm.array_task_id is not None:
+        return f"{slurm.array_job_id}_{slurm.array_task_id}"
+    return str(slurm.job_id)
+
+
+def requeue(env: LaunchEnv) -> bool:
+    """`scontrol requeue` this job (rank 0 only); False, logged, when that is not possible."""
+    if env.slurm is None:
+        log.warning("not running under Slurm: nothing to requeue")
+        return False
+    key = job_key(env.slurm)
+    try:
+        out = subprocess.run(["scontrol", "requeue", key], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.error("scontrol requeue %s failed: %s", key, exc)
+        return False
+    if out.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", key, out.stderr.strip())
+        return False
+    log.warning("requeued Slurm job %s", key)
+    return True
+
+
+@dataclass(frozen=True)
+class GuardState:
+    """requeue.json in the run directory: the requeue history of one job."""
+
+    job: str
+    checkpoint_step: int | None  # latest checkpoint at the last failure
+    failures_without_progress: int
+    requeued_restart: int | None = None  # SLURM_RESTART_COUNT of the run whose rank 0 requeued
+
+
+def account(prior: GuardState | None, job: str, checkpoint_step: int | None) -> GuardState:
+    """The state after one more failure (or preemption) of `job`, given its latest checkpoint."""
+    if prior is None or prior.job != job:  # a new submission starts a fresh budget
+        prior = GuardState(job, None, 0)
+    progress = checkpoint_step is not None and (
+        prior.checkpoint_step is None or checkpoint_step > prior.checkpoint_step)
+    return GuardState(job, checkpoint_step, 0 if progress else prior.failures_without_progress + 1)
+
+
+def read_state(run_dir: Path) -> GuardState | None:
+    path = run_dir / STATE_FILE
+    return GuardState(**json.loads(path.read_text())) if path.is_file() else None
+
+
+def write_state(run_dir: Path, state: GuardState) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{STATE_FILE}.tmp"
+    tmp.write_text(json.dumps(dataclasses.asdict(state)))
+    tmp.replace(run_dir / STATE_FILE)
+
+
+def latest_checkpoint_step(cfg: Config) -> int | None:
+    # imported here: the checkpoint package pulls in torch and h5py, which the guard does not need
+    from mshpc.checkpoint.paths import latest_step
+    from mshpc.checkpoint.train_checkpoint import checkpoint_root
+
+    return latest_step(checkpoint_root(cfg, run_path(cfg)))
+
+
+def requeue_guarded(env: LaunchEnv, cfg: Config) -> bool:
+    """Requeue unless the job has failed too often without a newer checkpoint (rank 0 or the
+    batch script); the history is saved first, as the requeue ends this process."""
+    if env.slurm is None:
+        return requeue(env)
+    run_dir, key = run_path(cfg), job_key(env.slurm)
+    state = account(read_state(run_dir), key, latest_checkpoint_step(cfg))
+    budget = cfg.slurm.max_failures_without_progress
+    if state.failures_without_progress > budget:
+        write_state(run_dir, state)
+        log.error("not requeued: %d consecutive failures without a newer checkpoint "
+                  "(slurm.max_failures_without_progress=%d)", state.failures_without_progress, budget)
+        return False
+    write_state(run_dir, dataclasses.replace(state, requeued_restart=env.slurm.restart_count))
+    if requeue(env):
+        return True
+    write_state(run_dir, state)
+    return False
+
+
+def mark_finished(run_dir: Path, job: str, step: int | None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"job": job, "step": step, "finished_unix": time.time()}
+    (run_dir / FINISHED_FILE).write_text(json.dumps(record) + "\n")
+
+
+def finished_by(run_dir: Path, job: str) -> bool:
+    """Whether this same job already finished this run (a later submission trains anew)."""
+    path = run_dir / FINISHED_FILE
+    return path.is_file() and json.loads(path.read_text()).get("job") == job
+
+
+# ---------------------------------------------------------------- the batch script's side
+
+
+def after_exit(rc: int, cfg: Config, env: LaunchEnv) -> None:
+    """What the batch script does once the ranks have exited with `rc`."""
+    if env.slurm is None:
+        return
+    run_dir, key = run_path(cfg), job_key(env.slurm)
+    state = read_state(run_dir)
+    if rc == 0:
+        mark_finished(run_dir, key, latest_checkpoint_step(cfg))
+    elif rc == DO_NOT_REQUEUE_EXIT:
+        log.error("not requeued: exit code %d is a user error that a retry cannot fix", rc)
+    elif state is not None and state.job == key and state.requeued_restart == env.slurm.restart_count:
+        log.info("rank 0 requeued the job already")
+    else:
+        log.warning("the ranks exited with code %d", rc)
+        requeue_guarded(env, cfg)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mshpc.launch.requeue",
+                                description="The requeue guards of sbatch/train.sbatch.")
+    sub = p.add_subparsers(dest="what", required=True)
+    check = sub.add_parser("check", help="validate the config; print 'finished' if this job already finished it, else 'run'")
+    after = sub.add_parser("after", help="after the ranks exited with RC: mark finished, or requeue within the budget")
+    after.add_argument("rc", type=int)
+    for s in (check, after):
+        s.add_argument("config")
+        s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="mshpc: %(message)s")
+    try:
+        cfg, env = load_config(args.config, args.set), read_launch_env()
+    except MshpcError as exc:
+        print(f"mshpc: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return DO_NOT_REQUEUE_EXIT
+    if args.what == "check":
+        done = env.slurm is not None and finished_by(run_path(cfg), job_key(env.slurm))
+        print("finished" if done else "run")
+        return 0
+    after_exit(args.rc, cfg, env)
+    return args.rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

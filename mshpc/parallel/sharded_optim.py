@@ -1,0 +1,100 @@
+"""Optimizers over ZeRO shards: each optimized tensor is one rank's piece (a flat range) of a
+model parameter, and its state exists only for that piece.
+
+AdamW is elementwise, so torch's AdamW over the pieces is the unsharded AdamW. LAMB's trust
+ratio needs the norms of whole parameters; `ShardedLamb` sums the pieces' squared norms over
+the dp group with one all-reduce per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mshpc.config import OptimConfig
+from mshpc.errors import ConfigError
+from mshpc.optim.lamb import Lamb
+from mshpc.parallel import comm
+
+# The per-piece state tensors both optimizers keep (besides the step counter).
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class ShardedLamb(Lamb):
+    """LAMB (You et al. 2019, Algorithm 2) over shard pieces: the same update as
+    mshpc.optim.lamb.Lamb, with ||w|| and ||r|| of each whole parameter. Each param group
+    carries "owner": for each piece, the index of the parameter it belongs to (< n_params).
+    step() is collective over `group` (the dp group)."""
+
+    def __init__(
+        self, groups: list[dict[str, Any]], n_params: int, group: dist.ProcessGroup | None,
+        lr: float, betas: tuple[float, float], eps: float,
+    ) -> None:
+        super().__init__(groups, lr=lr, betas=betas, eps=eps)
+        self.n_params = n_params
+        self.dp_group = group
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore
+        """Update every piece; every dp rank must call it (one all-reduce of 2 * n_params)."""
+        assert closure is None, "ShardedLamb.step takes no closure"
+        pieces, updates, owners = [], [], []
+        for group in self.param_groups:
+            for p, owner in zip(group["params"], group["owner"]):
+                if p.grad is not None:
+                    pieces.append((p, group))
+                    updates.append(self._direction(p, group))
+                    owners.append(owner)
+        device = pieces[0][0].device if pieces else torch.device("cpu")
+        # (2, n_params): squared norms of w and r per whole parameter, summed over ranks
+        norms_sq = torch.zeros(2, self.n_params, device=device)
+        if pieces:
+            index = torch.tensor(owners, device=device)
+            norms_sq[0].index_add_(0, index, torch.stack([p.square().sum() for p, _ in pieces]))
+            norms_sq[1].index_add_(0, index, torch.stack([r.square().sum() for r in updates]))
+        comm.all_reduce(norms_sq, group=self.dp_group)
+        w_norm, r_norm = norms_sq.sqrt()
+        ok = (w_norm > 0) & (r_norm > 0)
+        trust = torch.where(ok, w_norm / r_norm, torch.ones_like(w_norm))  # (n_params,)
+        for (p, group), r, owner in zip(pieces, updates, owners):
+            p.add_(r * trust[owner], alpha=-group["lr"])
+        return None
+
+    def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Advance the moments; return r = m_hat / (sqrt(v_hat) + eps) + weight_decay * w."""
+        state = self.state[p]
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        t = state["step"].item()
+        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+        m.mul_(beta1).add_(g, alpha=1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        r = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt_().add_(group["eps"]))
+        if group["weight_decay"]:
+            r.add_(p, alpha=group["weight_decay"])
+        return r
+
+
+def build_shard_optimizer(
+    groups: list[dict[str, Any]], n_params: int, cfg: OptimConfig, group: dist.ProcessGroup | None
+) -> torch.optim.Optimizer:
+    """AdamW or ShardedLamb by cfg.name over shard-piece groups (each with "params",
+    "weight_decay" and "owner"), with every piece's state created now (zeros, step 0), so the
+    state is complete, and measurable, before the first step."""
+    betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "adamw":
+        # "owner" rides along in the groups unused: AdamW needs no whole-parameter norms.
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=True)
+    elif cfg.name == "lamb":
+        optimizer = ShardedLamb(groups, n_params, group, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    else:
+        raise ConfigError(f"optim.name={cfg.name!r} is not an optimizer (choose 'adamw' or 'lamb')")
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            # A CPU float step, as torch's AdamW makes it when not capturable.
+            optimizer.state[p] = {"step": torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE_KEYS}}
+    return optimizer

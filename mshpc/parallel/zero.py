@@ -1,0 +1,342 @@
+"""ZeRO-2 data parallelism with its collectives overlapped with compute (MegaScale, Jiang et al.
+2024, sec. 3.2; ZeRO, Rajbhandari et al. 2020, sec. 5: P_os+g).
+
+The model's parameters stay ordinary replicated nn.Parameters, used for forward and backward
+in their own dtype; they are views into one flat buffer per bucket. Gradients accumulate in
+fp32 bucket buffers; each bucket is reduce-scattered from a backward hook as soon as its
+gradients are complete, while backward goes on with earlier layers. Each rank then clips and
+steps only its shard (fp32 masters and optimizer state: ~1/dp of the memory), and all-gathers
+the updated shards bucket by bucket; the next forward of a module waits only for its own
+bucket (a forward pre-hook). With overlap off the same engine communicates after backward and
+gathers before returning from step().
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mshpc.checkpoint.tensor_slice import SliceReader, TensorSlice
+from mshpc.config import OptimConfig, ParallelConfig
+from mshpc.errors import ConfigError
+from mshpc.optim.optimizer import param_groups
+from mshpc.parallel import comm
+from mshpc.parallel.buckets import BucketLayout, build_buckets
+from mshpc.parallel.sharded_optim import STATE_KEYS, build_shard_optimizer
+
+GRAD_DTYPE = torch.float32  # gradients are accumulated and reduced in fp32 whatever the compute dtype
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket's buffers on this rank."""
+
+    layout: BucketLayout
+    params: torch.Tensor  # (numel,) parameter dtype; the model's parameters are views into it
+    grads: torch.Tensor  # (numel,) fp32; fp32 parameters' .grad are views into it
+    master: torch.Tensor  # (shard_numel,) fp32: this rank's shard of the parameters
+    rank: int  # this rank's index in the dp group: its shard is elements [rank * n, (rank + 1) * n)
+
+    @property
+    def shard_grad(self) -> torch.Tensor:
+        """This rank's shard of the gradients: the reduce-scatter's output, in place."""
+        n = self.layout.shard_numel
+        return self.grads[self.rank * n:(self.rank + 1) * n]
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """A parameter's part in this rank's shard: the optimizer's tensor and its checkpoint name."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int  # flat offset in the parameter
+    tensor: torch.Tensor  # view into its bucket's master shard
+
+
+class ZeroEngine:
+    """Built by `build_zero_engine`. Per step, every dp rank calls backward() once per
+    micro-batch (sync=True on the last) and then step(); after step() the model's .grad are
+    zero and its parameters are landing, bucket by bucket, as the next forward needs them."""
+
+    def __init__(
+        self, model: nn.Module, params: list[nn.Parameter], buckets: list[Bucket],
+        bucket_of: list[int], grad_views: list[torch.Tensor], pieces: list[ShardPiece],
+        optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None, overlap: bool,
+    ) -> None:
+        self.model = model
+        self.params = params
+        self.buckets = buckets
+        self.bucket_of = bucket_of  # parameter index -> bucket index
+        self.grad_views = grad_views  # parameter index -> its fp32 gradient in its bucket
+        self.pieces = pieces
+        self.optimizer = optimizer
+        self.group = group
+        self.overlap = overlap
+        self.dp = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._ready = [0] * len(buckets)  # parameters whose gradient is complete, per bucket
+        self._next_reduce = 0  # reduce-scatters start in bucket order, identical on every rank
+        self._reducing: list[comm.Pending | None] = []
+        self._gathering: dict[int, tuple[comm.Pending | None, torch.Tensor]] = {}
+        self._sync = False
+
+    # ------------------------------------------------------------ the step
+
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
+        """Backward of `loss`, accumulating gradients. sync=True on a step's last micro-batch:
+        then every bucket is reduce-scattered (as its gradients complete with overlap, after
+        backward without); earlier micro-batches communicate nothing. Collective over the dp
+        group when sync."""
+        self._sync = sync
+        try:
+            loss.backward()
+        finally:
+            self._sync = False
+        if sync:
+            # without overlap: every bucket; with: those a parameter without a gradient held back
+            self._launch_reduces(force=True)
+
+    def step(self, max_norm: float = math.inf) -> torch.Tensor:
+        """Finish the reduce-scatters, clip the gradients to `max_norm` by their global norm
+        (torch.nn.utils.clip_grad_norm_'s rule over the unsharded gradients), step this rank's
+        shard and start the all-gathers of the updated parameters. Returns the norm before
+        clipping. Collective over the dp group."""
+        assert self._next_reduce == len(self.buckets), "step() needs backward(loss, sync=True) first"
+        for work in self._reducing:
+            if work is not None:
+                work.wait()
+        shards = [b.shard_grad for b in self.buckets]
+        if self.dp > 1:
+            torch._foreach_div_(shards, float(self.dp))  # sum -> mean over the global batch
+        norm = self._clip(shards, max_norm)
+        self.wait_params()  # a bucket no forward used may still be gathering from its master
+        self.optimizer.step()
+        self._start_gathers()
+        if not self.overlap:
+            self.wait_params()
+        self._zero_grads()
+        return norm
+
+    def wait_params(self) -> None:
+        """Block until every bucket's all-gather has landed in the model's parameters (local:
+        the collectives were started by step()); forward pre-hooks do this bucket by bucket."""
+        self._wait_gathers(tuple(self._gathering))
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank keeps for the optimizer: fp32 master shards plus optimizer state."""
+        tensors = [b.master for b in self.buckets]
+        tensors += [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ------------------------------------------------------------ checkpoint interface
+
+    def state_slices(self) -> dict[str, TensorSlice]:
+        """This rank's fp32 masters and optimizer state as slices of the whole parameters
+        (`master/<name>`, `optim.<key>/<name>`), plus `optim.step` from dp rank 0 only; no
+        slice is held by two dp ranks. Views into live state: copy before the next step."""
+        out = {}
+        for piece in self.pieces:
+            out[f"master/{piece.name}"] = TensorSlice(piece.tensor, piece.shape, piece.start)
+            for key in STATE_KEYS:
+                state = self.optimizer.state[piece.tensor][key]
+                out[f"optim.{key}/{piece.name}"] = TensorSlice(state, piece.shape, piece.start)
+        if self.rank == 0 and self.pieces:
+            out["optim.step"] = TensorSlice.whole(self.optimizer.state[self.pieces[0].tensor]["step"])
+        return out
+
+    @torch.no_grad()
+    def load_state_slices(self, read: SliceReader) -> None:
+        """Rebuild this rank's shards under the current layout from `read(name, start, numel)`
+        (any dp may have written them), then refresh the model's parameters from the masters.
+        Collective over the dp group (an all-gather)."""
+        self.wait_params()
+        step = read("optim.step", 0, 1).reshape(()).to("cpu", torch.float32)
+        for piece in self.pieces:
+            numel = piece.tensor.numel()
+            piece.tensor.copy_(read(f"master/{piece.name}", piece.start, numel))
+            state = self.optimizer.state[piece.tensor]
+            for key in STATE_KEYS:
+                state[key].copy_(read(f"optim.{key}/{piece.name}", piece.start, numel))
+            state["step"] = step.clone()
+        self._start_gathers()
+        self.wait_params()
+
+    # ------------------------------------------------------------ hooks and collectives
+
+    def _on_grad(self, index: int) -> None:
+        """Post-accumulate-grad hook of parameter `index`."""
+        p, view = self.params[index], self.grad_views[index]
+        if p.grad is not view:
+            # A parameter in another dtype (bf16 copies), or .grad reset to None: accumulate in
+            # the fp32 bucket and point .grad back at it where the dtypes allow.
+            view.add_(p.grad)
+            p.grad = view if p.dtype == view.dtype else None
+        if self._sync and self.overlap:
+            self._ready[self.bucket_of[index]] += 1
+            self._launch_reduces(force=False)
+
+    def _launch_reduces(self, force: bool) -> None:
+        # In bucket order only, so that every rank issues the same collectives in the same order
+        # whatever order its hooks fire in; `force` starts the rest (after backward).
+        while self._next_reduce < len(self.buckets):
+            bucket = self.buckets[self._next_reduce]
+            if not force and self._ready[self._next_reduce] < len(bucket.layout.slots):
+                return
+            # async: on NCCL the collective runs on its own stream, on gloo on its worker threads
+            self._reducing.append(comm.reduce_scatter(bucket.shard_grad, bucket.grads, self.group, async_op=True))
+            self._next_reduce += 1
+
+    def _clip(self, shards: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Scale the reduced shards so that their global L2 norm is at most max_norm; one
+        all-reduce of a scalar over the dp group."""
+        norm_sq = torch.stack(torch._foreach_norm(shards)).square().sum()
+        comm.all_reduce(norm_sq, group=self.group)
+        norm = norm_sq.sqrt()
+        if not math.isinf(max_norm):
+            coef = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+            torch._foreach_mul_(shards, coef)
+        return norm
+
+    def _start_gathers(self) -> None:
+        # Forward order: the last bucket holds the first layers (buckets follow backward).
+        for b in reversed(range(len(self.buckets))):
+            bucket = self.buckets[b]
+            source = bucket.master.to(bucket.params.dtype)  # no copy for fp32 parameters
+            # the source rides along with its Work: NCCL reads it until the gather completes
+            self._gathering[b] = (comm.all_gather(bucket.params, source, self.group, async_op=True), source)
+
+    def _wait_gathers(self, buckets: tuple[int, ...]) -> None:
+        for b in buckets:
+            work, _ = self._gathering.pop(b, (None, None))
+            if work is not None:
+                work.wait()
+
+    def _zero_grads(self) -> None:
+        for bucket in self.buckets:
+            bucket.grads.zero_()
+        self._ready = [0] * len(self.buckets)
+        self._next_reduce = 0
+        self._reducing = []
+
+
+# ---------------------------------------------------------------- building
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # ties once
+    dtypes = sorted({str(p.dtype) for _, p in named})
+    if len(dtypes) > 1:
+        raise ConfigError(f"the ZeRO engine needs one parameter dtype; the model has {', '.join(dtypes)} "
+                          "(cast the model to one, e.g. model.float())")
+    return named
+
+
+def build_bucket_buffers(
+    params: list[nn.Parameter], layouts: list[BucketLayout], rank: int, group: dist.ProcessGroup | None
+) -> list[Bucket]:
+    """Move each parameter into its bucket's flat buffer (the parameter becomes a view), make
+    every rank's parameters dp rank 0's, and cut this rank's fp32 master shard. Collective over
+    the dp group (a broadcast per bucket)."""
+    buckets = []
+    for layout in layouts:
+        p0 = params[layout.slots[0].index]
+        flat = torch.zeros(layout.numel, dtype=p0.dtype, device=p0.device)
+        grads = torch.zeros(layout.numel, dtype=GRAD_DTYPE, device=p0.device)
+        for slot in layout.slots:
+            p = params[slot.index]
+            flat[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            p.data = flat[slot.offset:slot.offset + slot.numel].view(p.shape)
+        # DDP's rule: start from one replica's weights, whatever each rank initialised
+        comm.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        lo = rank * layout.shard_numel
+        master = flat[lo:lo + layout.shard_numel].to(torch.float32, copy=True)
+        buckets.append(Bucket(layout, flat, grads, master, rank))
+    return buckets
+
+
+def build_grad_views(params: list[nn.Parameter], buckets: list[Bucket]) -> list[torch.Tensor]:
+    """Each parameter's gradient inside its bucket; an fp32 parameter's .grad becomes that
+    view, so autograd accumulates straight into the bucket (DDP's gradient_as_bucket_view)."""
+    views: list[torch.Tensor] = [torch.empty(0)] * len(params)
+    for bucket in buckets:
+        for slot in bucket.layout.slots:
+            p = params[slot.index]
+            views[slot.index] = bucket.grads[slot.offset:slot.offset + slot.numel].view(p.shape)
+            if p.dtype == GRAD_DTYPE:
+                p.grad = views[slot.index]
+    return views
+
+
+def build_shard_pieces(
+    named: list[tuple[str, nn.Parameter]], buckets: list[Bucket], rank: int
+) -> list[ShardPiece]:
+    """This rank's part of every parameter, as views into the master shards, each with its
+    .grad a view into the reduced gradient shard."""
+    pieces = []
+    for bucket in buckets:
+        shard_grad = bucket.shard_grad
+        for piece in bucket.layout.pieces(rank):
+            name, p = named[piece.index]
+            span = slice(piece.shard_offset, piece.shard_offset + piece.numel)
+            tensor = bucket.master[span]
+            tensor.grad = shard_grad[span]
+            pieces.append(ShardPiece(name, tuple(p.shape), piece.param_start, tensor))
+    return pieces
+
+
+def build_piece_groups(
+    model: nn.Module, named: list[tuple[str, nn.Parameter]], pieces: list[ShardPiece], weight_decay: float
+) -> list[dict]:
+    """The model's optimizer groups (mshpc.optim.optimizer.param_groups: which parameters
+    decay), with each parameter replaced by this rank's piece of it; empty groups are kept, so
+    that every rank has the same groups for the LR schedule."""
+    model_groups = param_groups(model, weight_decay)
+    index_of = {id(p): i for i, (_, p) in enumerate(named)}
+    name_index = {name: i for i, (name, _) in enumerate(named)}
+    group_of = {index_of[id(p)]: g for g, grp in enumerate(model_groups) for p in grp["params"]}
+    groups = [{"params": [], "owner": [], "weight_decay": grp["weight_decay"]} for grp in model_groups]
+    for piece in pieces:
+        index = name_index[piece.name]
+        groups[group_of[index]]["params"].append(piece.tensor)
+        groups[group_of[index]]["owner"].append(index)
+    return groups
+
+
+def _register_hooks(engine: ZeroEngine) -> None:
+    for i, p in enumerate(engine.params):
+        p.register_post_accumulate_grad_hook(lambda _, i=i: engine._on_grad(i))
+    index_of = {id(p): i for i, p in enumerate(engine.params)}
+    for module in engine.model.modules():
+        own = {engine.bucket_of[index_of[id(p)]] for p in module.parameters(recurse=False) if id(p) in index_of}
+        if own:
+            module.register_forward_pre_hook(lambda *_, own=tuple(sorted(own)): engine._wait_gathers(own))
+
+
+def build_zero_engine(
+    model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None
+) -> ZeroEngine:
+    """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
+    (None: the world), with the optimizer named by `optim`. Collective over the dp group."""
+    named = _trainable(model)
+    params = [p for _, p in named]
+    rank, dp = dist.get_rank(group), dist.get_world_size(group)
+    bucket_numel = max(1, int(parallel.bucket_mb * 2**20) // GRAD_DTYPE.itemsize)  # MiB of fp32 grads
+    layouts = build_buckets([p.numel() for p in params], bucket_numel, dp)
+    buckets = build_bucket_buffers(params, layouts, rank, group)
+    bucket_of = [0] * len(params)
+    for b, layout in enumerate(layouts):
+        for slot in layout.slots:
+            bucket_of[slot.index] = b
+    grad_views = build_grad_views(params, buckets)
+    pieces = build_shard_pieces(named, buckets, rank)
+    groups = build_piece_groups(model, named, pieces, optim.weight_decay)
+    optimizer = build_shard_optimizer(groups, len(params), optim, group)
+    engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group, parallel.dp_overlap)
+    _register_hooks(engine)
+    return engine
