@@ -41,7 +41,8 @@ class Lamb(torch.optim.Optimizer):
                     self._update(p, group)
         return loss
 
-    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """Advance p's moments; return r = m_hat / (sqrt(v_hat) + eps) + weight_decay * w."""
         state = self.state[p]
         if not state:
             # A CPU float "step", as torch's Adam keeps it, so checkpoints treat both alike.
@@ -57,6 +58,10 @@ class Lamb(torch.optim.Optimizer):
         r = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt_().add_(group["eps"]))
         if group["weight_decay"]:
             r.add_(p, alpha=group["weight_decay"])
+        return r
+
+    def _update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        r = self._direction(p, group)
         w_norm, r_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(r)
         # torch.where, not `if`, so the ratio stays on the device without a host sync.
         ok = (w_norm > 0) & (r_norm > 0)

@@ -63,20 +63,6 @@ class ShardedLamb(Lamb):
             p.add_(r * trust[owner], alpha=-group["lr"])
         return None
 
-    def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """Advance the moments; return r = m_hat / (sqrt(v_hat) + eps) + weight_decay * w."""
-        state = self.state[p]
-        beta1, beta2 = group["betas"]
-        state["step"] += 1
-        t = state["step"].item()
-        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-        m.mul_(beta1).add_(g, alpha=1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        r = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt_().add_(group["eps"]))
-        if group["weight_decay"]:
-            r.add_(p, alpha=group["weight_decay"])
-        return r
-
 
 def build_shard_optimizer(
     groups: list[dict[str, Any]], n_params: int, cfg: OptimConfig, group: dist.ProcessGroup | None
