@@ -46,3 +46,15 @@ def test_ckpt_tools_on_a_real_run(straight):
         pytest.skip("h5ls is not installed (Debian's hdf5-tools; make test installs it as root)")
     h5ls = subprocess.run(["h5ls", "-r", str(root / "latest" / "shard-00000.h5")], capture_output=True, text=True)
     assert "/model/layers.0.attn.qkv.weight Dataset" in h5ls.stdout
+
+
+def test_single_rank_kill_and_resume_is_bitwise_identical(tmp_path, corpus_cache):
+    run(tmp_path, corpus_cache, "one", "train.micro_batch=16", nproc=1)
+    run(tmp_path, corpus_cache, "one-b", "train.micro_batch=16", "checkpoint.async_save=false",
+        nproc=1, faults="kill:rank=0:step=5", expect=-9)  # one rank runs in-process: no launcher
+    out = run(tmp_path, corpus_cache, "one-b", "train.micro_batch=16", nproc=1)
+    assert "resumed from step 4" in out.stderr
+    assert losses(tmp_path, "one-b") == losses(tmp_path, "one")
+    want, got = final_params(tmp_path / "one" / "checkpoints"), final_params(tmp_path / "one-b" / "checkpoints")
+    for name in want:
+        assert np.array_equal(want[name], got[name]), name
