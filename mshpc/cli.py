@@ -14,6 +14,13 @@ from mshpc.errors import LaunchError, MshpcError
 USER_ERROR_EXIT = 2
 
 
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    """CONFIG and --set, which every command that runs a config takes alike."""
+    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)")
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train", help="train a model from a YAML config",
@@ -21,11 +28,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "parallel.dp*tp*pp of the config); under srun, mpiexec or torchrun, runs as one of their ranks. "
         "The run directory is <run.out_dir>/<run.name>/ (config.yaml, metrics.jsonl).",
     )
-    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
+    _add_config_args(p)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="local ranks to start (outside a launcher); parallel.dp follows as N/(tp*pp)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)")
     p.set_defaults(func=cmd_train)
 
 
@@ -62,9 +67,7 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
         "checkpointed and requeued before the time limit. Prints the job id and folder (the rendered "
         "sbatch script and per-rank logs); --wait waits and prints the finished run.",
     )
-    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value (repeatable)")
+    _add_config_args(p)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=0)
     p.add_argument("--tasks-per-node", type=int, default=None,
