@@ -1,0 +1,43 @@
+"""events.jsonl: the run's story (start, failure, detection, restart, eviction, straggler, MFU
+decline), one JSON object per line, appended by whichever process saw the event.
+
+Each record is one write() of one line to a file opened O_APPEND, so lines from several
+processes (the supervisor, ranks, `mshpc diagnose`) never interleave mid-line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+
+def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
+    """Append one event `{"time": unix seconds, "kind": kind, **fields}` and return it."""
+    record = {"time": time.time(), "kind": kind, **fields}
+    line = (json.dumps(record, allow_nan=False, default=str) + "\n").encode()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return record
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    """Every whole event in order; a line torn by a crash mid-write is skipped."""
+    path = run_dir / EVENTS_FILE
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events
