@@ -54,6 +54,9 @@ class ParallelConfig:
     # MiB of fp32 gradients per bucket (one reduce-scatter, one all-gather), DDP's default;
     # smaller buckets start communicating earlier in backward, at more per-collective overhead
     bucket_mb: float = 25.0
+    # pipeline schedule: 1f1b (interleaved 1F1B when virtual_stages > 1) or gpipe (all forwards,
+    # then all backwards: the baseline, holding every micro-batch's activations)
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
 
 
 @dataclass(frozen=True)

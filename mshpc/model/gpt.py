@@ -75,14 +75,19 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """Decoder-only language model; positions come from RoPE inside attention, so there is no
-    learned position table. forward maps token ids (b, s) to fp32 logits (b, s, vocab)."""
+    learned position table. forward maps token ids (b, s) to fp32 logits (b, s, vocab).
+
+    A pipeline stage is a GPT with the parts it does not own set to None and layers deleted
+    (torchtitan's split): `layers` is keyed by the layer's index, so every parameter keeps its
+    full-model name; a stage without the embedding takes hidden states (b, s, d), one without
+    the head returns them."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.norm = build_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -101,7 +106,7 @@ class GPT(nn.Module):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-        for layer in self.layers:
+        for layer in self.layers.values():
             for proj in (layer.attn.proj, layer.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
 
@@ -110,9 +115,11 @@ class GPT(nn.Module):
             raise ConfigError(
                 f"input of {idx.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}"
             )
-        x = self.dropout(self.tok_embeddings(idx))  # (b, s, d)
-        for layer in self.layers:
+        x = self.dropout(self.tok_embeddings(idx)) if self.tok_embeddings is not None else idx  # (b, s, d)
+        for layer in self.layers.values():
             x = layer(x)
+        if self.lm_head is None:
+            return x
         return self.lm_head(self.norm(x)).float()  # (b, s, vocab)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

@@ -52,15 +52,19 @@ class BucketLayout:
         return out
 
 
-def build_buckets(numels: list[int], bucket_numel: int, dp: int) -> list[BucketLayout]:
+def build_buckets(numels: list[int], bucket_numel: int, dp: int,
+                  alone: frozenset[int] = frozenset()) -> list[BucketLayout]:
     """Pack parameters (given in registration order) into buckets in reverse order, the order in
     which backward produces their gradients: each bucket holds at most `bucket_numel` elements,
-    except that a larger parameter gets a bucket of its own. Boundaries do not depend on dp
-    (only the padding does), so a checkpoint's slices differ across dp only in where shards cut."""
+    except that a larger parameter gets a bucket of its own, as does every index in `alone` (a
+    tied weight, whose shard must cover the same elements on every rank that holds a copy).
+    Boundaries do not depend on dp (only the padding does), so a checkpoint's slices differ
+    across dp only in where shards cut."""
     buckets: list[list[Slot]] = [[]] if numels else []
     filled = 0
     for index in reversed(range(len(numels))):
-        if buckets[-1] and filled + numels[index] > bucket_numel:
+        current = buckets[-1]
+        if current and (filled + numels[index] > bucket_numel or index in alone or current[-1].index in alone):
             buckets.append([])
             filled = 0
         buckets[-1].append(Slot(index, filled, numels[index]))

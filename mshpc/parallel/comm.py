@@ -181,6 +181,19 @@ def _finish(done: Pieces, async_op: bool) -> Pieces | None:
     return None
 
 
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> dist.Work:
+    """Point-to-point: start sending `tensor` to global rank `dst` of `group`; the tensor must
+    stay untouched until the returned work is waited on."""
+    RECORDER.record(_name(group), f"send->{dst}", tensor.numel() * tensor.element_size())
+    return dist.isend(tensor, dst=dst, group=group)
+
+
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> dist.Work:
+    """Point-to-point: start receiving into `tensor` from global rank `src` of `group`."""
+    RECORDER.record(_name(group), f"recv<-{src}", tensor.numel() * tensor.element_size())
+    return dist.irecv(tensor, src=src, group=group)
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Collective over `group`."""
     RECORDER.record(_name(group), "barrier", 0)

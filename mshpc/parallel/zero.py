@@ -50,6 +50,17 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class ModelParallel:
+    """What the engine must know of the ranks that hold the model's other parts (pipeline stages,
+    tensor shards); the engine itself stays data-parallel over its dp group."""
+
+    group: dist.ProcessGroup | None = None  # the model-parallel group: the grad norm sums over it
+    tied: frozenset[str] = frozenset()  # parameters whose gradients also sum over `tied_group`
+    tied_group: dist.ProcessGroup | None = None  # e.g. the embedding group (first + last stage)
+    counted_elsewhere: frozenset[str] = frozenset()  # in the norm once: another rank of `group` counts these
+
+
+@dataclass(frozen=True)
 class ShardPiece:
     """A parameter's part in this rank's shard: the optimizer's tensor and its checkpoint name."""
 
@@ -68,6 +79,7 @@ class ZeroEngine:
         self, model: nn.Module, params: list[nn.Parameter], buckets: list[Bucket],
         bucket_of: list[int], grad_views: list[torch.Tensor], pieces: list[ShardPiece],
         optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None, overlap: bool,
+        model_parallel: ModelParallel = ModelParallel(), tied_buckets: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.params = params
@@ -78,6 +90,8 @@ class ZeroEngine:
         self.optimizer = optimizer
         self.group = group
         self.overlap = overlap
+        self.model_parallel = model_parallel
+        self.tied_buckets = tied_buckets  # the buckets of model_parallel.tied, one parameter each
         self.dp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._ready = [0] * len(buckets)  # parameters whose gradient is complete, per bucket
@@ -88,17 +102,20 @@ class ZeroEngine:
 
     # ------------------------------------------------------------ the step
 
-    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
-        """Backward of `loss`, accumulating gradients. sync=True on a step's last micro-batch:
-        then every bucket is reduce-scattered (as its gradients complete with overlap, after
-        backward without); earlier micro-batches communicate nothing. Collective over the dp
-        group when sync."""
+    def backward(self, loss: torch.Tensor, sync: bool = True, grad: torch.Tensor | None = None,
+                 flush: bool | None = None) -> None:
+        """Backward of `loss` (or of a pipeline stage's output, `grad` being its gradient),
+        accumulating gradients. sync=True on a step's last micro-batch: then every bucket is
+        reduce-scattered (as its gradients complete with overlap, after backward without);
+        earlier micro-batches communicate nothing. A rank with several pipeline chunks syncs
+        each chunk's last backward and flushes (launches what is left) only after the step's
+        last; flush defaults to sync. Collective over the dp group when sync."""
         self._sync = sync
         try:
-            loss.backward()
+            loss.backward(grad)
         finally:
             self._sync = False
-        if sync:
+        if sync if flush is None else flush:
             # without overlap: every bucket; with: those a parameter without a gradient held back
             self._launch_reduces(force=True)
 
@@ -114,6 +131,9 @@ class ZeroEngine:
         shards = [b.shard_grad for b in self.buckets]
         if self.dp > 1:
             torch._foreach_div_(shards, float(self.dp))  # sum -> mean over the global batch
+        for b in self.tied_buckets:
+            # add the gradient of the tied copy (same bucket layout there, so the same shard)
+            comm.all_reduce(self.buckets[b].shard_grad, group=self.model_parallel.tied_group)
         norm = self._clip(shards, max_norm)
         self.wait_params()  # a bucket no forward used may still be gathering from its master
         self.optimizer.step()
@@ -138,15 +158,16 @@ class ZeroEngine:
 
     def state_slices(self) -> dict[str, TensorSlice]:
         """This rank's fp32 masters and optimizer state as slices of the whole parameters
-        (`master/<name>`, `optim.<key>/<name>`), plus `optim.step` from dp rank 0 only; no
-        slice is held by two dp ranks. Views into live state: copy before the next step."""
+        (`master/<name>`, `optim.<key>/<name>`), plus `optim.step` from the first rank of the dp and
+        model-parallel groups only; no slice is held by two ranks. Views into live state: copy before the next step."""
         out = {}
         for piece in self.pieces:
             out[f"master/{piece.name}"] = TensorSlice(piece.tensor, piece.shape, piece.start)
             for key in STATE_KEYS:
                 state = self.optimizer.state[piece.tensor][key]
                 out[f"optim.{key}/{piece.name}"] = TensorSlice(state, piece.shape, piece.start)
-        if self.rank == 0 and self.pieces:
+        mp_group = self.model_parallel.group
+        if self.rank == 0 and self.pieces and (mp_group is None or dist.get_rank(mp_group) == 0):
             out["optim.step"] = TensorSlice.whole(self.optimizer.state[self.pieces[0].tensor]["step"])
         return out
 
@@ -193,10 +214,17 @@ class ZeroEngine:
             self._next_reduce += 1
 
     def _clip(self, shards: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Scale the reduced shards so that their global L2 norm is at most max_norm; one
-        all-reduce of a scalar over the dp group."""
-        norm_sq = torch.stack(torch._foreach_norm(shards)).square().sum()
+        """Scale the reduced shards so that the global L2 norm of the whole model's gradients
+        is at most max_norm; one all-reduce of a scalar over the dp group, one over the
+        model-parallel group, each parameter counted once."""
+        mp = self.model_parallel
+        counted = [p.tensor.grad for p in self.pieces if p.name not in mp.counted_elsewhere]
+        norm_sq = torch.zeros((), device=self.buckets[0].grads.device)
+        if counted:
+            norm_sq = torch.stack(torch._foreach_norm(counted)).square().sum()
         comm.all_reduce(norm_sq, group=self.group)
+        if mp.group is not None:
+            comm.all_reduce(norm_sq, group=mp.group)
         norm = norm_sq.sqrt()
         if not math.isinf(max_norm):
             coef = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
@@ -319,15 +347,18 @@ def _register_hooks(engine: ZeroEngine) -> None:
 
 
 def build_zero_engine(
-    model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None
+    model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
+    model_parallel: ModelParallel = ModelParallel(),
 ) -> ZeroEngine:
     """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
-    (None: the world), with the optimizer named by `optim`. Collective over the dp group."""
+    (None: the world), with the optimizer named by `optim`; `model_parallel` says how the
+    model's other parts elsewhere enter the step. Collective over the dp group."""
     named = _trainable(model)
     params = [p for _, p in named]
     rank, dp = dist.get_rank(group), dist.get_world_size(group)
     bucket_numel = max(1, int(parallel.bucket_mb * 2**20) // GRAD_DTYPE.itemsize)  # MiB of fp32 grads
-    layouts = build_buckets([p.numel() for p in params], bucket_numel, dp)
+    tied = frozenset(i for i, (name, _) in enumerate(named) if name in model_parallel.tied)
+    layouts = build_buckets([p.numel() for p in params], bucket_numel, dp, alone=tied)
     buckets = build_bucket_buffers(params, layouts, rank, group)
     bucket_of = [0] * len(params)
     for b, layout in enumerate(layouts):
@@ -337,6 +368,7 @@ def build_zero_engine(
     pieces = build_shard_pieces(named, buckets, rank)
     groups = build_piece_groups(model, named, pieces, optim.weight_decay)
     optimizer = build_shard_optimizer(groups, len(params), optim, group)
-    engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group, parallel.dp_overlap)
+    engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group,
+                        parallel.dp_overlap, model_parallel, tuple(bucket_of[i] for i in sorted(tied)))
     _register_hooks(engine)
     return engine

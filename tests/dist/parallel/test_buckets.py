@@ -30,3 +30,12 @@ def test_buckets_follow_backward_order_and_their_size():
         assert used <= 4096 or len(layout.slots) == 1  # a larger parameter goes alone
     cuts = [[s.index for s in layout.slots] for layout in layouts]
     assert cuts == [[s.index for s in layout.slots] for layout in build_buckets(NUMELS, 4096, dp=4)]
+
+
+def test_a_tied_weight_gets_a_bucket_of_its_own():
+    # the embedding (index 0) and a small parameter in the middle (index 4) go alone; the rest pack as before
+    layouts = build_buckets(NUMELS, bucket_numel=4096, dp=2, alone=frozenset({0, 4}))
+    cuts = [[s.index for s in layout.slots] for layout in layouts]
+    assert [0] in cuts and [4] in cuts
+    assert [s.index for layout in layouts for s in layout.slots] == list(reversed(range(len(NUMELS))))
+    assert all(len(c) == 1 or not {0, 4} & set(c) for c in cuts)

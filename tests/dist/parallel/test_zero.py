@@ -117,7 +117,7 @@ def overlap_seen(rank: int, world: int) -> dict:
             y.register_hook(count_reduces)  # the embedding's output grad: backward's last layer
 
         model.tok_embeddings.register_forward_hook(watch_embedding_grad)
-        model.layers[0].register_forward_pre_hook(lambda m, i: seen.update(unwaited=len(engine._gathering)))
+        model.layers["0"].register_forward_pre_hook(lambda m, i: seen.update(unwaited=len(engine._gathering)))
         before = sum(r.op == "reduce_scatter" for r in comm.RECORDER.snapshot())
         engine_step(engine, 1, 1, rank, world)
         out[str(overlap)] = {"buckets": len(engine.buckets), **seen}

@@ -34,7 +34,7 @@ def test_logits_shape_dtype_and_grads(parallel_block):
 
 def test_parallel_block_has_one_norm_and_differs_from_serial():
     serial, parallel = tiny(), tiny(parallel_block=True)
-    for block in parallel.layers:
+    for block in parallel.layers.values():
         assert sum(isinstance(m, RMSNorm) for m in block.modules()) == 1
     assert serial.num_params() - parallel.num_params() == TINY.n_layer * TINY.d_model
     # Same weights wherever both have them; only the wiring differs.
@@ -90,8 +90,8 @@ def test_init_scales_residual_projections():
     cfg = dict(n_layer=8, d_model=64, n_head=2)
     model = tiny(**cfg)
     std = TINY.init_std
-    assert abs(model.layers[0].attn.qkv.weight.std().item() / std - 1) < 0.05
-    for layer in model.layers:
+    assert abs(model.layers["0"].attn.qkv.weight.std().item() / std - 1) < 0.05
+    for layer in model.layers.values():
         for proj in (layer.attn.proj.weight, layer.mlp.proj.weight):
             assert abs(proj.std().item() / (std / 4.0) - 1) < 0.1  # 1/sqrt(2 * 8) = 1/4
         assert torch.equal(layer.ln_1.weight, torch.ones(64))

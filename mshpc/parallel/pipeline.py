@@ -1,0 +1,259 @@
+"""Pipeline parallelism: the GPT cut into stages, and a pipeline rank's train step, which runs its
+schedule's plan (`schedules.py`) with asynchronous point-to-point sends and receives.
+
+Narayanan et al. 2021 (sec. 2.2) for the schedules and virtual stages, MegaScale (Jiang et al.
+2024, sec. 3.2) for decoupled send/recv, torchtitan for the split: build the whole model, keep
+what a stage owns, so every parameter keeps its full-model name (and a checkpoint's tensors are
+globally unique). The rank's parts form one model for ZeRO, the optimizer and checkpoints; its
+chunks (one per virtual stage) share those modules and are what the schedule runs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mshpc.config import Config, ModelConfig
+from mshpc.model.gpt import GPT, loss_fn
+from mshpc.parallel import comm
+from mshpc.parallel.mesh import Coords, MeshShape
+from mshpc.parallel.schedules import LINKS, Action, PipeShape, build_plan, link
+from mshpc.parallel.zero import ModelParallel, ZeroEngine, build_zero_engine
+
+TIED = ("tok_embeddings.weight", "lm_head.weight")  # the first stage's and the last stage's names
+
+
+def pipe_shape(cfg: Config) -> PipeShape:
+    """Micro-batches per step are train.grad_accum (Megatron's num_microbatches)."""
+    return PipeShape(cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.train.grad_accum)
+
+
+# ---------------------------------------------------------------- the split
+
+
+def _part(model: GPT, layers: list[int], embed: bool, head: bool) -> GPT:
+    """A GPT over some of `model`'s modules (shared, not copied), the rest None: GPT.forward
+    then runs just those. Registered in GPT's own order, so backward order is bucket order."""
+    part = GPT.__new__(GPT)
+    nn.Module.__init__(part)
+    part.cfg = model.cfg
+    part.tok_embeddings = model.tok_embeddings if embed else None
+    part.dropout = model.dropout
+    part.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    part.norm = model.norm if head else None
+    part.lm_head = model.lm_head if head else None
+    return part
+
+
+def stage_layers(cfg: ModelConfig, shape: PipeShape, stage: int) -> list[int]:
+    """The layers of virtual stage `stage`: an even, contiguous share (config.py checks that
+    pp * virtual_stages divides n_layer)."""
+    per = cfg.n_layer // shape.stages
+    return list(range(stage * per, (stage + 1) * per))
+
+
+def split_model(model: GPT, shape: PipeShape, rank: int) -> tuple[GPT, list[GPT]]:
+    """Pp rank `rank`'s share of the whole `model`: one model of every part it owns and its
+    chunks, by virtual stage (stage g = chunk * pp + rank: Megatron's interleaved assignment)."""
+    stages = [c * shape.pp + rank for c in range(shape.virtual_stages)]
+    chunks = [_part(model, stage_layers(model.cfg, shape, g), g == 0, g == shape.stages - 1) for g in stages]
+    owned = [i for g in stages for i in stage_layers(model.cfg, shape, g)]
+    return _part(model, owned, rank == 0, rank == shape.pp - 1), chunks
+
+
+def model_parallel(cfg: ModelConfig, shape: PipeShape, rank: int, group: dist.ProcessGroup | None,
+                   embedding_group: dist.ProcessGroup | None) -> ModelParallel:
+    """How the ZeRO engine of pp rank `rank` sees the other stages: the grad norm sums over
+    `group`, and a tied embedding's gradient over `embedding_group` (first + last stage),
+    counted in the norm on the first stage only."""
+    if not cfg.tie_embeddings:
+        return ModelParallel(group=group)
+    mine = TIED[0] if rank == 0 else TIED[1] if rank == shape.pp - 1 else None
+    return ModelParallel(group=group, tied=frozenset([mine] if mine else []), tied_group=embedding_group,
+                         counted_elsewhere=frozenset([TIED[1]]))
+
+
+# ---------------------------------------------------------------- running a plan
+
+
+@dataclass(frozen=True)
+class PipeLinks:
+    """The pp group's global ranks (by pp rank) and one process group per link over them: a
+    link's traffic goes one way, so on NCCL, where a pair's sends and receives queue on one
+    stream per communicator, an early receive never blocks a send behind it."""
+
+    ranks: tuple[int, ...]
+    groups: dict[str, dist.ProcessGroup]
+
+
+@dataclass
+class _StepState:
+    """What one step holds between actions, by (micro-batch, stage) or by action."""
+
+    micros: list[torch.Tensor]  # (b, s + 1) token ids each
+    loss_sum: torch.Tensor
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    pending: dict[Action, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # in flight, with its buffer
+
+
+class PipelineRunner:
+    """Runs one rank's plan per step. Collective over the pp group (point-to-point) and, through
+    the engine's backward, over the dp group."""
+
+    def __init__(self, chunks: list[GPT], plan: list[Action], shape: PipeShape, links: PipeLinks,
+                 engine: ZeroEngine, act_shape: tuple[int, ...], act_dtype: torch.dtype,
+                 autocast: torch.dtype | None) -> None:
+        self.chunks, self.plan, self.shape, self.links = chunks, plan, shape, links
+        self.engine, self.act_shape, self.act_dtype, self.autocast = engine, act_shape, act_dtype, autocast
+        backwards = [a for a in plan if a.op == "backward"]
+        self.last_backward = {a.stage: a for a in backwards}  # each chunk's: its buckets sync there
+        self.final = backwards[-1]  # the step's: the engine launches what is left there
+        self.wait_s = 0.0  # time blocked on receives and sends, summed over steps
+
+    def run(self, micros: list[torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of every micro-batch on this rank's stages; returns the sum of
+        the micro-batch losses / m on the last stage, 0 elsewhere."""
+        state = _StepState(micros, torch.zeros((), device=micros[0].device))
+        for a in self.plan:
+            kind = a.op.split("_")[0]  # recv, send, wait, forward, backward
+            getattr(self, f"_{kind}")(a, state)
+        assert not (state.pending or state.outputs or state.inputs), "the plan left work behind"
+        return state.loss_sum
+
+    def _recv(self, a: Action, state: _StepState) -> None:
+        name, peer = link(a, self.shape.pp)
+        buffer = torch.empty(self.act_shape, dtype=self.act_dtype, device=state.loss_sum.device)
+        state.pending[a] = (comm.irecv(buffer, self.links.ranks[peer], self.links.groups[name]), buffer)
+
+    def _send(self, a: Action, state: _StepState) -> None:
+        name, peer = link(a, self.shape.pp)
+        key = (a.micro, a.stage)
+        tensor = (state.outputs[key] if a.op == "send_act" else state.input_grads.pop(key)).detach()
+        assert tensor.shape == self.act_shape and tensor.dtype == self.act_dtype, (a, tensor.shape, tensor.dtype)
+        state.pending[a] = (comm.isend(tensor, self.links.ranks[peer], self.links.groups[name]), tensor)
+
+    def _wait(self, a: Action, state: _StepState) -> None:
+        self._landed(Action(a.op.removeprefix("wait_"), a.micro, a.stage), state)  # type: ignore[arg-type]
+
+    def _landed(self, a: Action, state: _StepState) -> torch.Tensor:
+        """Wait for communication `a`; its buffer is then free (a send's) or full (a receive's)."""
+        start = time.perf_counter()
+        work, tensor = state.pending.pop(a)
+        work.wait()
+        self.wait_s += time.perf_counter() - start
+        return tensor
+
+    def _forward(self, a: Action, state: _StepState) -> None:
+        micro = state.micros[a.micro]
+        if a.stage == 0:
+            x = micro[:, :-1]
+        else:
+            x = self._landed(Action("recv_act", a.micro, a.stage), state).requires_grad_()
+        with torch.autocast(x.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            out = self.chunks[a.stage // self.shape.pp](x)
+        if a.stage == self.shape.stages - 1:
+            out = loss_fn(out, micro[:, 1:]) / self.shape.micro_batches
+            state.loss_sum += out.detach()
+        state.inputs[a.micro, a.stage], state.outputs[a.micro, a.stage] = x, out
+
+    def _backward(self, a: Action, state: _StepState) -> None:
+        grad = None
+        if a.stage < self.shape.stages - 1:
+            grad = self._landed(Action("recv_grad", a.micro, a.stage), state)
+        out = state.outputs.pop((a.micro, a.stage))  # a send still in flight holds its own reference
+        self.engine.backward(out, sync=self.last_backward[a.stage] == a, grad=grad, flush=a == self.final)
+        x = state.inputs.pop((a.micro, a.stage))
+        if a.stage > 0:
+            state.input_grads[a.micro, a.stage] = x.grad
+
+
+# ---------------------------------------------------------------- building and stepping
+
+
+@dataclass(frozen=True)
+class PipeGroups:
+    """The process groups a pipeline rank needs besides the world."""
+
+    dp: dist.ProcessGroup  # same stage (and tp rank): ZeRO shards over it
+    model_parallel: dist.ProcessGroup  # every stage (and tp rank) of this dp replica: the grad norm sums over it
+    embedding: dist.ProcessGroup | None  # first + last stage, on those two only: the tied embedding's gradient
+    links: PipeLinks
+
+
+def _new_groups(lists: list[list[int]], rank: int) -> dist.ProcessGroup | None:
+    """Every rank creates every group (new_group is collective over the world); returns this rank's."""
+    mine = None
+    for ranks in lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def build_pipe_groups(mesh: MeshShape, rank: int, virtual_stages: int) -> PipeGroups:
+    """Collective over the world."""
+    coords = [mesh.coords(r) for r in range(mesh.world_size)]
+
+    def lists(same: Callable[[Coords], tuple[int, ...]], keep: Callable[[Coords], bool] = lambda c: True) -> list[list[int]]:
+        by: dict[tuple[int, ...], list[int]] = {}
+        for r, c in enumerate(coords):
+            if keep(c):
+                by.setdefault(same(c), []).append(r)
+        return list(by.values())
+
+    pp_lists = lists(lambda c: (c.dp, c.tp))
+    names = LINKS if virtual_stages > 1 else ("act", "grad")  # only interleaving wraps around
+    links = {name: _new_groups(pp_lists, rank) for name in names}
+    return PipeGroups(
+        dp=_new_groups(lists(lambda c: (c.pp, c.tp)), rank),
+        model_parallel=_new_groups(lists(lambda c: (c.dp,)), rank),
+        embedding=_new_groups(lists(lambda c: (c.dp, c.tp), lambda c: c.pp in (0, mesh.pp - 1)), rank),
+        links=PipeLinks(tuple(next(r for r in pp_lists if rank in r)), links),
+    )
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A pipeline rank's model (every part it owns), its ZeRO engine and its plan's runner."""
+
+    model: GPT
+    engine: ZeroEngine
+    runner: PipelineRunner
+
+
+def build_pipeline(cfg: Config, groups: PipeGroups, pp_rank: int, device: torch.device,
+                   autocast: torch.dtype | None) -> Pipeline:
+    """Split the whole GPT (seeded by the caller: every rank draws the same weights) and make
+    this rank's share trainable. Collective over the dp group (the engine's broadcast)."""
+    shape = pipe_shape(cfg)
+    model, chunks = split_model(GPT(cfg.model), shape, pp_rank)
+    model.to(device)
+    mp = model_parallel(cfg.model, shape, pp_rank, groups.model_parallel, groups.embedding)
+    engine = build_zero_engine(model, cfg.optim, cfg.parallel, groups.dp, mp)
+    plan = build_plan(cfg.parallel.pp_schedule, shape, pp_rank)
+    act_shape = (cfg.train.micro_batch, cfg.model.seq_len, cfg.model.d_model)  # (b, s, d)
+    dtype = next(model.parameters()).dtype  # the residual stream's: fp32 under bf16 autocast too
+    return Pipeline(model, engine, PipelineRunner(chunks, plan, shape, groups.links, engine, act_shape, dtype, autocast))
+
+
+def pipeline_train_step(pipe: Pipeline, batch: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """train.train_step for a pipeline rank: one optimizer step over the rank's batch (grad_accum
+    micro-batches). Collective over the world. Returns the loss averaged over the global batch
+    (on every rank) and the global grad norm before clipping."""
+    micros = list(batch.split(cfg.train.micro_batch))  # (micro_batch, seq_len + 1) each
+    loss_sum = pipe.runner.run(micros)
+    # Only the last stage has a loss; a world all-reduce of a scalar reports it everywhere, and
+    # started before step() it overlaps the step's collectives.
+    loss_reduce = comm.all_reduce(loss_sum, async_op=True)
+    grad_norm = pipe.engine.step(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
+    if loss_reduce is not None:
+        loss_reduce.wait()
+    return loss_sum / (cfg.world_size // cfg.parallel.pp), grad_norm

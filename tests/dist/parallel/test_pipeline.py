@@ -1,0 +1,152 @@
+"""Pipeline parallelism on gloo ranks against single-rank training of the same model and global
+batch: pp=2 (1F1B, GPipe), pp=2 with 2 virtual stages (interleaved 1F1B), and dp=2 x pp=2.
+
+Each layout is one spawn (module fixtures) that runs its cases and returns numbers; every rank
+also trains the single-rank reference itself, so nothing but JSON crosses process boundaries.
+Tolerance: the pipeline computes the same fp32 sums as the reference, but in another order
+(micro-batch accumulation, dp reduce-scatter, the norm's partial sums), which moves results by
+a few ulp per step; AdamW's normalised updates keep that at ~1e-7 relative over 3 steps, so
+1e-5 is a bound a real error (a lost micro-batch, a missed embedding gradient: ~1e-2) cannot hide in.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.model.gpt import GPT, loss_fn
+from mshpc.optim.optimizer import build_optimizer
+from mshpc.parallel.mesh import MeshShape
+from mshpc.parallel.pipeline import TIED, build_pipe_groups, build_pipeline, pipeline_train_step
+from rank_runner import run_ranks
+
+TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
+GLOBAL_BATCH = 8
+MICRO_BATCHES = 4  # train.grad_accum: pp=2 with 2 virtual stages needs a multiple of 2
+STEPS = 3
+GRAD_CLIP = 0.05  # below these steps' gradient norms: clipping acts in every step
+
+
+def optim_cfg(name: str) -> OptimConfig:
+    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP)
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, TINY.seq_len + 1),
+                         generator=torch.Generator().manual_seed(100 + step))
+
+
+def reference(name: str) -> tuple[GPT, list[float], list[float]]:
+    """One rank, the whole global batch at once, torch's clipping, the unsharded optimizer."""
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    optimizer = build_optimizer(model, optim_cfg(name))
+    losses, norms = [], []
+    for step in range(STEPS):
+        b = batch(step)
+        loss = loss_fn(model(b[:, :-1]), b[:, 1:])
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model, losses, norms
+
+
+def config(world: int, pp: int, v: int, schedule: str, name: str, overlap: bool = True) -> Config:
+    dp = world // pp
+    parallel = ParallelConfig(dp=dp, pp=pp, virtual_stages=v, pp_schedule=schedule, dp_overlap=overlap,
+                              bucket_mb=16 / 1024)  # 16 KiB: several buckets per stage
+    train = TrainConfig(micro_batch=GLOBAL_BATCH // dp // MICRO_BATCHES, grad_accum=MICRO_BATCHES)
+    return Config(model=TINY, parallel=parallel, optim=optim_cfg(name), train=train)
+
+
+def train_case(rank: int, cfg: Config) -> dict:
+    p = cfg.parallel
+    mesh = MeshShape(pp=p.pp, dp=p.dp, tp=1)
+    coords = mesh.coords(rank)
+    groups = build_pipe_groups(mesh, rank, p.virtual_stages)
+    torch.manual_seed(0)
+    pipe = build_pipeline(cfg, groups, coords.pp, torch.device("cpu"), None)
+    initial = {n: q.detach().clone() for n, q in pipe.model.named_parameters()}
+    per_rank = GLOBAL_BATCH // p.dp
+    losses, norms = [], []
+    for step in range(STEPS):
+        local = batch(step)[coords.dp * per_rank:(coords.dp + 1) * per_rank]
+        loss, norm = pipeline_train_step(pipe, local, cfg)
+        losses.append(loss.item())
+        norms.append(norm.item())
+    pipe.engine.wait_params()
+    ref_model, ref_losses, ref_norms = reference(cfg.optim.name)
+    ref = dict(ref_model.named_parameters()) | {TIED[1]: ref_model.lm_head.weight}
+    mine = dict(pipe.model.named_parameters())
+    tied = {n: mine[n].flatten().tolist() for n in TIED if n in mine}
+    return {"losses": losses, "norms": norms, "ref_losses": ref_losses, "ref_norms": ref_norms,
+            "names": sorted(mine), "tied": tied, "wait_s": pipe.runner.wait_s,
+            "param_diff": max((mine[n] - ref[n]).abs().max().item() for n in mine),
+            "moved": min((mine[n] - initial[n]).abs().max().item() for n in mine)}
+
+
+CASES = {  # world -> case name -> config arguments after world
+    2: {"1f1b": (2, 1, "1f1b", "adamw"), "gpipe": (2, 1, "gpipe", "adamw"), "lamb": (2, 1, "1f1b", "lamb"),
+        "interleaved": (2, 2, "1f1b", "adamw"), "interleaved-no-overlap": (2, 2, "1f1b", "adamw", False)},
+    4: {"dp2-1f1b": (2, 1, "1f1b", "adamw"), "dp2-interleaved": (2, 2, "1f1b", "adamw")},
+}
+
+
+def cases(rank: int, world: int) -> dict:
+    out = {name: train_case(rank, config(world, *args)) for name, args in CASES[world].items()}
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp2() -> list[dict]:
+    return run_ranks(cases, 2, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def dp2_pp2() -> list[dict]:
+    return run_ranks(cases, 4, timeout_s=300)
+
+
+@pytest.fixture(params=[(2, c) for c in CASES[2]] + [(4, c) for c in CASES[4]], ids=lambda p: f"world{p[0]}-{p[1]}")
+def case(request) -> tuple[str, list[dict]]:
+    world, name = request.param
+    ranks = request.getfixturevalue("pp2" if world == 2 else "dp2_pp2")
+    return name, [r[name] for r in ranks]
+
+
+def test_loss_curve_and_parameters_match_single_rank_training(case):
+    name, ranks = case
+    for rank, r in enumerate(ranks):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5), (name, rank)
+        assert r["param_diff"] < 1e-5, (name, rank)
+        assert r["moved"] > 1e-4  # every parameter moved by 10x the tolerance: no match of idle weights
+
+
+def test_clipping_uses_the_global_norm_over_every_stage(case):
+    name, ranks = case
+    for rank, r in enumerate(ranks):
+        assert min(r["ref_norms"]) > GRAD_CLIP  # clipping really acted
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), (name, rank)
+
+
+def test_stages_own_disjoint_layers_under_full_model_names(pp2):
+    first, last = pp2[0]["interleaved"]["names"], pp2[1]["interleaved"]["names"]
+    assert not set(first) & set(last)
+    # interleaved: rank 0 runs stages 0 and 2 (layers 0 and 2), rank 1 stages 1 and 3
+    assert {n.split(".")[1] for n in first if n.startswith("layers.")} == {"0", "2"}
+    assert {n.split(".")[1] for n in last if n.startswith("layers.")} == {"1", "3"}
+    assert "tok_embeddings.weight" in first and {"norm.weight", "lm_head.weight"} <= set(last)
+
+
+def test_tied_embeddings_stay_identical_on_first_and_last_stage(case):
+    name, ranks = case
+    pp = 2
+    dp = len(ranks) // pp
+    for d in range(dp):  # the first stage's dp rank d and the last stage's
+        first, last = ranks[d]["tied"], ranks[(pp - 1) * dp + d]["tied"]
+        assert first[TIED[0]] == last[TIED[1]], name  # bitwise, after 3 steps of training
