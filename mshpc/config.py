@@ -321,6 +321,12 @@ def _check_parallel(cfg: Config) -> None:
             f"parallel.pp*parallel.virtual_stages={stages} does not divide "
             f"model.n_layer={m.n_layer} (choose a product among {_divisors(m.n_layer)})"
         )
+    if p.virtual_stages > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp > 1 "
+                          "(choose virtual_stages 1, or pp >= 2)")
+    if p.virtual_stages > 1 and cfg.train.grad_accum % p.pp:
+        raise ConfigError(f"interleaved 1F1B needs train.grad_accum={cfg.train.grad_accum} divisible by "
+                          f"parallel.pp={p.pp} (choose a multiple of {p.pp}, or virtual_stages 1)")
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (MiB of fp32 gradients per bucket)")
 

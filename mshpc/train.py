@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +25,15 @@ from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distrib
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
+from mshpc.parallel.mesh import MeshShape
+from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
 from mshpc.parallel.zero import ZeroEngine, build_zero_engine
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
 
 log = logging.getLogger(__name__)
+
+StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # batch -> (loss, grad norm)
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,8 @@ def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
 
 
 def check_supported(cfg: Config) -> None:
-    for key, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp)):
-        if value != 1:
-            raise ConfigError(f"parallel.{key}={value}: not available in this version (choose 1)")
+    if cfg.parallel.tp != 1:
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: not available in this version (choose 1)")
 
 
 def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
@@ -107,19 +111,30 @@ def train_step(
 
 def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
     dataset = open_dataset(cfg, info)
+    p = cfg.parallel
+    dp_rank = MeshShape(pp=p.pp, dp=p.dp, tp=p.tp).coords(info.rank).dp  # every stage reads its replica's batch
     return build_loader(
-        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=info.rank,
+        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=dp_rank,
         dp_size=cfg.parallel.dp, seed=cfg.data.seed, start_step=start_step,
         prefetch_batches=cfg.data.prefetch_batches,
     )
 
 
+def build_model_step(cfg: Config, info: DistInfo, rt: Runtime) -> tuple[ZeroEngine, StepFn]:
+    """This rank's ZeRO engine over its part of the model, and its train step (a pipeline rank's
+    when pp > 1). Collective over the world."""
+    torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
+    if cfg.parallel.pp > 1:
+        pipe = build_pipeline(cfg, info.rank, rt.device, rt.autocast_dtype)
+        return pipe.engine, lambda batch: pipeline_train_step(pipe, batch.to(rt.device), cfg)
+    engine = build_zero_engine(GPT(cfg.model).to(rt.device), cfg.optim, cfg.parallel)  # collective over dp
+    return engine, lambda batch: train_step(engine, batch, cfg, rt)
+
+
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
                  faults: tuple[Fault, ...] = ()) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
-    torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
-    model = GPT(cfg.model).to(rt.device)
-    engine = build_zero_engine(model, cfg.optim, cfg.parallel)  # collective over dp: every size
+    engine, step_fn = build_model_step(cfg, info, rt)
     optimizer = engine.optimizer  # over this rank's fp32 shard
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     torch.manual_seed(cfg.train.seed + info.rank)  # per-rank dropout masks, as DP needs
@@ -138,7 +153,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             start, wait_before = time.perf_counter(), loader.wait_s
             batch = next(loader)
             inject(faults, info.rank, step)
-            loss, grad_norm = train_step(engine, batch, cfg, rt)
+            loss, grad_norm = step_fn(batch)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(loss.item())

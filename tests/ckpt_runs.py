@@ -23,6 +23,10 @@ def losses(tmp_path, name):
 
 
 def final_params(ckpt_root: Path) -> dict[str, np.ndarray]:
-    """Model tensors of the latest checkpoint, read with plain h5py."""
-    with h5py.File(ckpt_root / "latest" / "shard-00000.h5", "r") as f:
-        return {k: f["model"][k][()] for k in f["model"]}
+    """Model tensors of the latest checkpoint, read with plain h5py (from every shard that has
+    some: each pipeline stage writes its own)."""
+    out = {}
+    for path in sorted((ckpt_root / "latest").glob("shard-*.h5")):
+        with h5py.File(path, "r") as f:
+            out.update({k: f["model"][k][()] for k in f.get("model", {})})
+    return out

@@ -68,9 +68,9 @@ class TrainCheckpointer:
         """Save now, after `step` optimizer steps; return the seconds the loop was blocked."""
         self.engine.wait_params()  # the weights of this step, not half-gathered ones
         slices = {**rng_slices(self.rank), **self.engine.state_slices()}
-        if self.rank == 0:
-            # The dp-replicated weights, for inference and inspection; resume rebuilds them
-            # from the fp32 masters instead, so they are written once and never read back.
+        if self.engine.rank == 0:
+            # The dp-replicated weights, for inference and inspection, once per pipeline stage
+            # (under full-model names); resume rebuilds them from the fp32 masters instead.
             slices.update(model_slices(self.engine.model))
         return self.saver.save(step, slices, self._extras(step))
 

@@ -229,10 +229,13 @@ class Pipeline:
     runner: PipelineRunner
 
 
-def build_pipeline(cfg: Config, groups: PipeGroups, pp_rank: int, device: torch.device,
-                   autocast: torch.dtype | None) -> Pipeline:
+def build_pipeline(cfg: Config, rank: int, device: torch.device, autocast: torch.dtype | None) -> Pipeline:
     """Split the whole GPT (seeded by the caller: every rank draws the same weights) and make
-    this rank's share trainable. Collective over the dp group (the engine's broadcast)."""
+    global rank `rank`'s share trainable. Collective over the world (group creation)."""
+    p = cfg.parallel
+    mesh = MeshShape(pp=p.pp, dp=p.dp, tp=p.tp)
+    groups = build_pipe_groups(mesh, rank, p.virtual_stages)
+    pp_rank = mesh.coords(rank).pp
     shape = pipe_shape(cfg)
     model, chunks = split_model(GPT(cfg.model), shape, pp_rank)
     model.to(device)

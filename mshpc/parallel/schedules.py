@@ -26,8 +26,6 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Literal
 
-from mshpc.errors import ConfigError
-
 ScheduleName = Literal["1f1b", "gpipe"]
 Op = Literal["forward", "backward", "recv_act", "recv_grad", "send_act", "send_grad",
              "wait_send_act", "wait_send_grad"]
@@ -55,16 +53,6 @@ class PipeShape:
         return self.pp * self.virtual_stages
 
 
-def check_shape(shape: PipeShape) -> None:
-    """One-line ConfigErrors for shapes the schedules cannot run."""
-    if shape.virtual_stages > 1 and shape.pp == 1:
-        raise ConfigError(f"parallel.virtual_stages={shape.virtual_stages} needs parallel.pp > 1 "
-                          "(choose virtual_stages 1, or pp >= 2)")
-    if shape.virtual_stages > 1 and shape.micro_batches % shape.pp:
-        raise ConfigError(f"interleaved 1F1B needs train.grad_accum={shape.micro_batches} divisible by "
-                          f"parallel.pp={shape.pp} (choose a multiple of {shape.pp}, or virtual_stages 1)")
-
-
 # ---------------------------------------------------------------- compute order
 
 
@@ -78,8 +66,9 @@ def _interleaved_index(k: int, shape: PipeShape, forward: bool) -> tuple[int, in
 
 
 def compute_order(name: ScheduleName, shape: PipeShape, rank: int) -> list[Action]:
-    """The forwards and backwards of pp rank `rank` in one step, in order."""
-    check_shape(shape)
+    """The forwards and backwards of pp rank `rank` in one step, in order. Interleaving needs
+    micro_batches divisible by pp (config.py says so to users)."""
+    assert shape.virtual_stages == 1 or (shape.pp > 1 and shape.micro_batches % shape.pp == 0), shape
     p, v, m = shape.pp, shape.virtual_stages, shape.micro_batches
     total = m * v
 

@@ -19,7 +19,7 @@ from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, Train
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.optim.optimizer import build_optimizer
 from mshpc.parallel.mesh import MeshShape
-from mshpc.parallel.pipeline import TIED, build_pipe_groups, build_pipeline, pipeline_train_step
+from mshpc.parallel.pipeline import TIED, build_pipeline, pipeline_train_step
 from rank_runner import run_ranks
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
@@ -67,9 +67,8 @@ def train_case(rank: int, cfg: Config) -> dict:
     p = cfg.parallel
     mesh = MeshShape(pp=p.pp, dp=p.dp, tp=1)
     coords = mesh.coords(rank)
-    groups = build_pipe_groups(mesh, rank, p.virtual_stages)
     torch.manual_seed(0)
-    pipe = build_pipeline(cfg, groups, coords.pp, torch.device("cpu"), None)
+    pipe = build_pipeline(cfg, rank, torch.device("cpu"), None)
     initial = {n: q.detach().clone() for n, q in pipe.model.named_parameters()}
     per_rank = GLOBAL_BATCH // p.dp
     losses, norms = [], []

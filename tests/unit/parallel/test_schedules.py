@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 
-from mshpc.errors import ConfigError
 from mshpc.parallel.schedules import PipeShape, bubble_fraction, build_plan, compute_order, link, lower, peak_live
 from pipe_sim import Deadlock, simulate
 
@@ -121,10 +120,3 @@ def test_links_carry_one_direction_each():
                 ends.setdefault(name, set()).add((r, peer))
     # with pp=2 both directions join the same two ranks: each link still goes one way only
     assert ends == {"act": {(0, 1)}, "act_wrap": {(1, 0)}, "grad": {(1, 0)}, "grad_wrap": {(0, 1)}}
-
-
-def test_interleaving_needs_micro_batches_divisible_by_pp():
-    with pytest.raises(ConfigError, match=r"train.grad_accum=6 divisible by parallel.pp=4"):
-        compute_order("1f1b", PipeShape(4, 2, 6), 0)
-    with pytest.raises(ConfigError, match=r"virtual_stages=2 needs parallel.pp > 1"):
-        compute_order("1f1b", PipeShape(1, 2, 4), 0)
