@@ -37,10 +37,10 @@ WORKER_TIMEOUT_S = 600
 class Link:
     """Two namespaces joined by a veth pair; `set_rate` puts a tbf limit on both ends."""
 
-    def __init__(self) -> None:
-        tag = os.getpid() % 100000
-        self.ns = (f"mshpc-dp{tag}a", f"mshpc-dp{tag}b")
-        self.dev = (f"mdp{tag}a", f"mdp{tag}b")  # interface names: 15 characters at most
+    def __init__(self, prefix: str = "dp") -> None:
+        tag = os.getpid() % 100000  # with `prefix` (the benchmark's), unique on this machine
+        self.ns = (f"mshpc-{prefix}{tag}a", f"mshpc-{prefix}{tag}b")
+        self.dev = (f"m{prefix}{tag}a", f"m{prefix}{tag}b")  # interface names: 15 characters at most
 
     def __enter__(self) -> Link:
         try:
@@ -93,12 +93,13 @@ def why_no_namespaces() -> str | None:
     return f"{' and '.join(missing)} not installed (apt-get install -y iproute2)" if missing else None
 
 
-def run_pair(link: Link | Loopback, addr: str, port: int, args: argparse.Namespace) -> dict:
-    """Start both ranks, wait for them, return rank 0's measurements."""
+def run_pair(link: Link | Loopback, addr: str, port: int, args: argparse.Namespace, script: str = __file__) -> dict:
+    """Start both ranks of benchmark `script` (each `script --worker RANK --addr --port` and
+    `args`), wait for them, return rank 0's measurements: its last line of JSON."""
     procs = []
     for rank in range(2):
         prefix, env = link.prefix(rank)
-        cmd = [*prefix, sys.executable, __file__, "--worker", str(rank), "--addr", addr, "--port", str(port),
+        cmd = [*prefix, sys.executable, script, "--worker", str(rank), "--addr", addr, "--port", str(port),
                *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "addr", "port")]]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env={**os.environ, **env, "PYTHONPATH": str(REPO)}))
@@ -110,7 +111,7 @@ def run_pair(link: Link | Loopback, addr: str, port: int, args: argparse.Namespa
                 p.kill()
     for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
-            raise SystemExit(f"dp_overlap: rank {rank} failed (exit {p.returncode}):\n{err[-3000:]}")
+            raise SystemExit(f"{Path(script).stem}: rank {rank} failed (exit {p.returncode}):\n{err[-3000:]}")
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 

@@ -117,15 +117,18 @@ class PipelineRunner:
         self.last_backward = {a.stage: a for a in backwards}  # each chunk's: its buckets sync there
         self.final = backwards[-1]  # the step's: the engine launches what is left there
         self.wait_s = 0.0  # time blocked on receives and sends, summed over steps
+        self.run_s = 0.0  # time in run(), summed over steps: wait_s / run_s is the measured bubble
 
     def run(self, micros: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every micro-batch on this rank's stages; returns the sum of
         the micro-batch losses / m on the last stage, 0 elsewhere."""
+        start = time.perf_counter()
         state = _StepState(micros, torch.zeros((), device=micros[0].device))
         for a in self.plan:
             kind = a.op.split("_")[0]  # recv, send, wait, forward, backward
             getattr(self, f"_{kind}")(a, state)
         assert not (state.pending or state.outputs or state.inputs), "the plan left work behind"
+        self.run_s += time.perf_counter() - start
         return state.loss_sum
 
     def _recv(self, a: Action, state: _StepState) -> None:
