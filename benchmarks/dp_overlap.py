@@ -115,6 +115,36 @@ def run_pair(link: Link | Loopback, addr: str, port: int, args: argparse.Namespa
     return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
+def link_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The arguments of every benchmark run by run_on_links: the rate, and those run_pair gives
+    each rank."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--addr", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def run_on_links(args: argparse.Namespace, script: str = __file__, prefix: str = "dp") -> dict[str, dict]:
+    """run_pair over a link limited to args.rate_mbit, then unlimited; on loopback where
+    namespaces cannot be made. Returns rank 0's measurements by link label."""
+    reason = why_no_namespaces()
+    if reason is not None:
+        print(f"{Path(script).stem}: cannot create network namespaces ({reason}); running on loopback, "
+              "without a rate limit", file=sys.stderr)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        return {"loopback": run_pair(Loopback(), "127.0.0.1", port, args, script)}
+    results = {}
+    with Link(prefix) as link:
+        for label, rate in ((f"{args.rate_mbit:g}mbit", args.rate_mbit), ("unlimited", None)):
+            link.set_rate(rate)
+            results[label] = run_pair(link, ADDRS[0], PORT, args, script)
+    return results
+
+
 # ---------------------------------------------------------------- one rank
 
 
@@ -266,33 +296,16 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
+    parser = link_parser(__doc__)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     # 1 MiB: 12 buckets for this model, and at dp=2 each all-gather is one gloo message (no staging)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="for the engine and for DDP")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--addr", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         return worker(args)
-    results = {}
-    reason = why_no_namespaces()
-    if reason is None:
-        with Link() as link:
-            for label, rate in ((f"{args.rate_mbit:g}mbit", args.rate_mbit), ("unlimited", None)):
-                link.set_rate(rate)
-                results[label] = run_pair(link, ADDRS[0], PORT, args)
-    else:
-        print(f"dp_overlap: cannot create network namespaces ({reason}); running on loopback, "
-              "without a rate limit", file=sys.stderr)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        results["loopback"] = run_pair(Loopback(), "127.0.0.1", port, args)
+    results = run_on_links(args)
     for label, r in results.items():
         for record in lines(label, r, args):
             print(json.dumps(record), flush=True)

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 
-from dp_overlap import ADDRS, PORT, WORKER_TIMEOUT_S, Link, Loopback, run_pair, why_no_namespaces
+from dp_overlap import WORKER_TIMEOUT_S, link_parser, run_on_links
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b", 2)}  # name: (schedule, v)
@@ -73,7 +72,10 @@ def time_schedules(pipes: dict, batch, rounds: int, per_round: int) -> dict[str,
                 s["step_s"].append((time.perf_counter() - start) / per_round)
                 s["run_s"].append((runner.run_s - ran) / per_round)
                 s["wait_s"].append((runner.wait_s - waited) / per_round)
-    return {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    out = {n: {k: statistics.median(v) for k, v in s.items()} for n, s in samples.items()}
+    for name, (_, pipe) in pipes.items():
+        out[name]["peak_live"] = pipe.runner.peak_live  # micro-batch activations held at once
+    return out
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -117,6 +119,7 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
                     "bubble_measured": round(statistics.mean(idle) / span, 3), "bubble_theory": round(theory, 3),
                     "wait_of_step": round(statistics.mean(s["wait_s"] for s in per_stage) / step_s, 3),
                     "forward_backward_s": round(span, 4), "idle_s_per_stage": [round(i, 4) for i in idle],
+                    "peak_live_per_stage": [s["peak_live"] for s in per_stage],
                     "pp": 2, "virtual_stages": v, "micro_batches": args.micro_batches,
                     "micro_batch": args.micro_batch, "act_bytes": r["act_bytes"], "link": label,
                     "model": "configs/tiny.yaml"})
@@ -124,31 +127,15 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
+    parser = link_parser(__doc__)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (m)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--addr", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         return worker(args)
-    results = {}
-    reason = why_no_namespaces()
-    if reason is None:
-        with Link(prefix="pp") as link:
-            for label, rate in ((f"{args.rate_mbit:g}mbit", args.rate_mbit), ("unlimited", None)):
-                link.set_rate(rate)
-                results[label] = run_pair(link, ADDRS[0], PORT, args, script=__file__)
-    else:
-        print(f"pipeline: cannot create network namespaces ({reason}); running on loopback, "
-              "without a rate limit", file=sys.stderr)
-        from mshpc.launch.rendezvous import free_port
-
-        results["loopback"] = run_pair(Loopback(), "127.0.0.1", free_port(), args, script=__file__)
+    results = run_on_links(args, script=__file__, prefix="pp")
     for label, r in results.items():
         for record in lines(label, r, args):
             print(json.dumps(record), flush=True)

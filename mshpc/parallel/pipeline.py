@@ -117,7 +117,8 @@ class PipelineRunner:
         self.last_backward = {a.stage: a for a in backwards}  # each chunk's: its buckets sync there
         self.final = backwards[-1]  # the step's: the engine launches what is left there
         self.wait_s = 0.0  # time blocked on receives and sends, summed over steps
-        self.run_s = 0.0  # time in run(), summed over steps: wait_s / run_s is the measured bubble
+        self.run_s = 0.0  # time in run(), summed over steps
+        self.peak_live = 0  # the most micro-batch activations (stage inputs and graphs) held at once
 
     def run(self, micros: list[torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every micro-batch on this rank's stages; returns the sum of
@@ -166,6 +167,7 @@ class PipelineRunner:
             out = loss_fn(out, micro[:, 1:]) / self.shape.micro_batches
             state.loss_sum += out.detach()
         state.inputs[a.micro, a.stage], state.outputs[a.micro, a.stage] = x, out
+        self.peak_live = max(self.peak_live, len(state.inputs))
 
     def _backward(self, a: Action, state: _StepState) -> None:
         grad = None

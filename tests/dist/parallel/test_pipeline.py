@@ -15,44 +15,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from mshpc.model.gpt import GPT, loss_fn
-from mshpc.optim.optimizer import build_optimizer
+from mshpc.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from mshpc.parallel import comm
 from mshpc.parallel.mesh import MeshShape
 from mshpc.parallel.pipeline import TIED, build_pipeline, pipeline_train_step
+from mshpc.parallel.schedules import peak_live
 from rank_runner import run_ranks
+from reference_training import GRAD_CLIP, global_batch, optim_cfg, train_reference
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 GLOBAL_BATCH = 8
 MICRO_BATCHES = 4  # train.grad_accum: pp=2 with 2 virtual stages needs a multiple of 2
 STEPS = 3
-GRAD_CLIP = 0.05  # below these steps' gradient norms: clipping acts in every step
-
-
-def optim_cfg(name: str) -> OptimConfig:
-    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP)
 
 
 def batch(step: int) -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, TINY.seq_len + 1),
-                         generator=torch.Generator().manual_seed(100 + step))
-
-
-def reference(name: str) -> tuple[GPT, list[float], list[float]]:
-    """One rank, the whole global batch at once, torch's clipping, the unsharded optimizer."""
-    torch.manual_seed(0)
-    model = GPT(TINY)
-    optimizer = build_optimizer(model, optim_cfg(name))
-    losses, norms = [], []
-    for step in range(STEPS):
-        b = batch(step)
-        loss = loss_fn(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return model, losses, norms
+    return global_batch(TINY, GLOBAL_BATCH, step)
 
 
 def config(world: int, pp: int, v: int, schedule: str, name: str, overlap: bool = True) -> Config:
@@ -74,16 +52,20 @@ def train_case(rank: int, cfg: Config) -> dict:
     losses, norms = [], []
     for step in range(STEPS):
         local = batch(step)[coords.dp * per_rank:(coords.dp + 1) * per_rank]
+        before = comm.RECORDER.snapshot()[-1].seq
         loss, norm = pipeline_train_step(pipe, local, cfg)
         losses.append(loss.item())
         norms.append(norm.item())
+    p2p = [r.op[:4] for r in comm.RECORDER.snapshot() if r.seq > before and r.op[:4] in ("send", "recv")]
+    planned = [a.op.split("_")[0] for a in pipe.runner.plan if a.op.startswith(("send", "recv"))]
     pipe.engine.wait_params()
-    ref_model, ref_losses, ref_norms = reference(cfg.optim.name)
+    ref_model, _, ref_losses, ref_norms = train_reference(TINY, cfg.optim.name, STEPS, GLOBAL_BATCH)
     ref = dict(ref_model.named_parameters()) | {TIED[1]: ref_model.lm_head.weight}
     mine = dict(pipe.model.named_parameters())
     tied = {n: mine[n].flatten().tolist() for n in TIED if n in mine}
     return {"losses": losses, "norms": norms, "ref_losses": ref_losses, "ref_norms": ref_norms,
-            "names": sorted(mine), "tied": tied, "wait_s": pipe.runner.wait_s,
+            "names": sorted(mine), "tied": tied, "p2p_recorded": sorted(p2p) == sorted(planned) and len(p2p) > 0,
+            "pp_rank": coords.pp, "schedule": (p.pp_schedule, p.virtual_stages), "peak_live": pipe.runner.peak_live, "plan_peak_live": peak_live(pipe.runner.plan),
             "param_diff": max((mine[n] - ref[n]).abs().max().item() for n in mine),
             "moved": min((mine[n] - initial[n]).abs().max().item() for n in mine)}
 
@@ -149,3 +131,19 @@ def test_tied_embeddings_stay_identical_on_first_and_last_stage(case):
     for d in range(dp):  # the first stage's dp rank d and the last stage's
         first, last = ranks[d]["tied"], ranks[(pp - 1) * dp + d]["tied"]
         assert first[TIED[0]] == last[TIED[1]], name  # bitwise, after 3 steps of training
+
+
+def test_each_stage_holds_the_activations_its_schedule_promises(case):
+    # measured while running (stage inputs whose backward has not run), equal to the plan's
+    # count, which test_schedules checks against 1F1B's p - s and Megatron's interleaved bound
+    name, ranks = case
+    for r in ranks:
+        assert r["peak_live"] == r["plan_peak_live"], name
+        pp, s, m = 2, r["pp_rank"], MICRO_BATCHES
+        want = {("gpipe", 1): m, ("1f1b", 1): pp - s, ("1f1b", 2): 2 * (pp - s - 1) + pp + 1}[tuple(r["schedule"])]
+        assert r["peak_live"] == want, (name, s)
+
+
+def test_every_send_and_receive_goes_through_the_flight_recorder(case):
+    name, ranks = case
+    assert all(r["p2p_recorded"] for r in ranks), name

@@ -12,45 +12,26 @@ import math
 import pytest
 import torch
 
-from mshpc.config import ModelConfig, OptimConfig, ParallelConfig
+from mshpc.config import ModelConfig, ParallelConfig
 from mshpc.model.gpt import GPT, loss_fn
-from mshpc.optim.optimizer import build_optimizer
 from mshpc.parallel import comm
 from mshpc.parallel.zero import ZeroEngine, build_zero_engine
 from rank_runner import run_ranks
+from reference_training import GRAD_CLIP, global_batch, optim_cfg, train_reference
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 BUCKET_MB = 16 / 1024  # 16 KiB: 10 buckets for this model, so there is something to overlap
 GLOBAL_BATCH = 8  # sequences per step at every dp and accumulation
 STEPS = 3
-GRAD_CLIP = 0.05  # below the gradient norm of these steps: clipping is active in every case
 CASES = [(name, overlap, accum) for name in ("adamw", "lamb") for overlap in (True, False) for accum in (1, 2)]
 
 
-def optim_cfg(name: str) -> OptimConfig:
-    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP)
-
-
 def batch(step: int) -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, TINY.seq_len + 1),
-                         generator=torch.Generator().manual_seed(100 + step))
+    return global_batch(TINY, GLOBAL_BATCH, step)
 
 
 def reference(name: str, steps: int) -> tuple[GPT, torch.optim.Optimizer, list[float], list[float]]:
-    """Single-rank training on the whole global batch: torch's clipping, the unsharded optimizer."""
-    torch.manual_seed(0)
-    model = GPT(TINY)
-    optimizer = build_optimizer(model, optim_cfg(name))
-    losses, norms = [], []
-    for step in range(steps):
-        b = batch(step)
-        loss = loss_fn(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return model, optimizer, losses, norms
+    return train_reference(TINY, name, steps, GLOBAL_BATCH)
 
 
 def engine_for(name: str, overlap: bool, world: int, seed: int = 0) -> ZeroEngine:
