@@ -204,7 +204,9 @@ def _new_groups(lists: list[list[int]], rank: int) -> dist.ProcessGroup | None:
 
 
 def build_pipe_groups(mesh: MeshShape, rank: int, virtual_stages: int) -> PipeGroups:
-    """Collective over the world."""
+    """The pipeline's groups from plain new_group calls, one per group on every rank: a stand-in
+    until the mesh module builds the 3D groups (the links stay here: they are the pipeline's).
+    Collective over the world."""
     coords = [mesh.coords(r) for r in range(mesh.world_size)]
 
     def lists(same: Callable[[Coords], tuple[int, ...]], keep: Callable[[Coords], bool] = lambda c: True) -> list[list[int]]:
