@@ -21,10 +21,12 @@ from mshpc.faults import Fault, inject, parse_faults
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
-from mshpc.model.gpt import GPT, loss_fn
+from mshpc.model.gpt import GPT
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
-from mshpc.parallel.zero import ZeroEngine, build_zero_engine
+from mshpc.parallel.apply import LossFn, parallelize
+from mshpc.parallel.mesh import Mesh, MeshShape, build_mesh
+from mshpc.parallel.zero import ZeroEngine
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
 
@@ -58,9 +60,8 @@ def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
 
 
 def check_supported(cfg: Config) -> None:
-    for key, value in (("tp", cfg.parallel.tp), ("pp", cfg.parallel.pp)):
-        if value != 1:
-            raise ConfigError(f"parallel.{key}={value}: not available in this version (choose 1)")
+    if cfg.parallel.pp != 1:
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp}: not available in this version (choose 1)")
 
 
 def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
@@ -82,10 +83,11 @@ def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
 
 
 def train_step(
-    engine: ZeroEngine, batch: torch.Tensor, cfg: Config, rt: Runtime
+    engine: ZeroEngine, loss_fn: LossFn, batch: torch.Tensor, cfg: Config, rt: Runtime
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over the rank's batch (grad_accum micro-batches); collective over dp.
-    Returns the loss averaged over the global batch and the global grad norm before clipping."""
+    """One optimizer step over the dp rank's batch (grad_accum micro-batches; the tp ranks of one
+    dp rank see the same batch); collective over the mesh. Returns the loss averaged over the
+    global batch and the global grad norm before clipping."""
     batch = batch.to(rt.device, non_blocking=True)  # (grad_accum * micro_batch, seq_len + 1)
     loss_sum = torch.zeros((), device=rt.device)
     micros = batch.split(cfg.train.micro_batch)
@@ -105,10 +107,10 @@ def train_step(
     return loss_sum / cfg.parallel.dp, grad_norm
 
 
-def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
+def build_data(cfg: Config, info: DistInfo, mesh: Mesh, start_step: int) -> BatchLoader:
     dataset = open_dataset(cfg, info)
     return build_loader(
-        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=info.rank,
+        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=mesh.coords.dp,
         dp_size=cfg.parallel.dp, seed=cfg.data.seed, start_step=start_step,
         prefetch_batches=cfg.data.prefetch_batches,
     )
@@ -117,17 +119,21 @@ def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
                  faults: tuple[Fault, ...] = ()) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
+    p = cfg.parallel
+    mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))  # every group, once
     torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
-    model = GPT(cfg.model).to(rt.device)
-    engine = build_zero_engine(model, cfg.optim, cfg.parallel)  # collective over dp: every size
+    split = parallelize(GPT(cfg.model).to(rt.device), mesh, cfg)  # tp/sp, recompute, ZeRO
+    engine = split.engine
     optimizer = engine.optimizer  # over this rank's fp32 shard
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    torch.manual_seed(cfg.train.seed + info.rank)  # per-rank dropout masks, as DP needs
+    # Per-rank dropout masks, as DP needs; tp ranks drop out of different tokens (sequence
+    # parallelism) or heads, so theirs differ too.
+    torch.manual_seed(cfg.train.seed + info.rank)
     ckpt = TrainCheckpointer(cfg, checkpoint_root(cfg, run_path(cfg)), info.rank, info.world_size,
                              engine, scheduler,
                              before_commit=lambda step: inject(faults, info.rank, step, "save"))
     start_step = ckpt.resume()
-    loader = build_data(cfg, info, start_step)
+    loader = build_data(cfg, info, mesh, start_step)
     is_logger = info.rank == 0
     run_dir, metrics = create_run_dir(cfg, start_step) if is_logger else (None, None)
     progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "none")
@@ -138,7 +144,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             start, wait_before = time.perf_counter(), loader.wait_s
             batch = next(loader)
             inject(faults, info.rank, step)
-            loss, grad_norm = train_step(engine, batch, cfg, rt)
+            loss, grad_norm = train_step(engine, split.loss_fn, batch, cfg, rt)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(loss.item())
