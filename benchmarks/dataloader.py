@@ -18,7 +18,7 @@ from mshpc.config import load_config, resolve_world
 from mshpc.data.loader import build_loader
 from mshpc.data.prepare import dataset_path
 from mshpc.data.shards import TokenDataset
-from mshpc.model.gpt import GPT
+from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel.zero import build_zero_engine
 from mshpc.train import Runtime, train_step
 
@@ -44,10 +44,10 @@ def model_tokens_per_s(cfg, dataset: TokenDataset, steps: int) -> float:
     rt = Runtime(device=torch.device("cpu"), autocast_dtype=None, peak_tflops=None)
     with build_loader(dataset, cfg.model.seq_len, cfg.global_batch, 0, 1, cfg.data.seed, 0,
                       cfg.data.prefetch_batches) as loader:
-        train_step(engine, next(loader), cfg, rt)  # warm-up
+        train_step(engine, loss_fn, next(loader), cfg, rt)  # warm-up
         start = time.perf_counter()
         for _ in range(steps):
-            train_step(engine, next(loader), cfg, rt)
+            train_step(engine, loss_fn, next(loader), cfg, rt)
         elapsed = time.perf_counter() - start
     return steps * cfg.global_batch * cfg.model.seq_len / elapsed
 

@@ -31,13 +31,14 @@ SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b",
 # ---------------------------------------------------------------- one rank
 
 
-def build(args: argparse.Namespace, rank: int) -> dict:
+def build(args: argparse.Namespace) -> dict:
     """One pipeline per contender, on identical models; returns name -> Pipeline."""
     import dataclasses
 
     import torch
 
     from mshpc.config import load_config
+    from mshpc.parallel.mesh import MeshShape, build_mesh
     from mshpc.parallel.pipeline import build_pipeline
 
     base = load_config(REPO / "configs/tiny.yaml")
@@ -47,7 +48,8 @@ def build(args: argparse.Namespace, rank: int) -> dict:
             base, parallel=dataclasses.replace(base.parallel, dp=1, pp=2, virtual_stages=v, pp_schedule=schedule),
             train=dataclasses.replace(base.train, micro_batch=args.micro_batch, grad_accum=args.micro_batches))
         torch.manual_seed(0)
-        pipes[name] = (cfg, build_pipeline(cfg, rank, torch.device("cpu"), None))
+        mesh = build_mesh(MeshShape(pp=2, dp=1, tp=1))
+        pipes[name] = (cfg, build_pipeline(cfg, mesh, torch.device("cpu"), None))
     return pipes
 
 
@@ -87,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.worker,
                             world_size=2, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
-    pipes = build(args, args.worker)
+    pipes = build(args)
     cfg = next(iter(pipes.values()))[0]
     batch = torch.randint(0, cfg.model.vocab_size, (args.micro_batch * args.micro_batches, cfg.model.seq_len + 1),
                           generator=torch.Generator().manual_seed(0))

@@ -54,6 +54,12 @@ class ParallelConfig:
     # MiB of fp32 gradients per bucket (one reduce-scatter, one all-gather), DDP's default;
     # smaller buckets start communicating earlier in backward, at more per-collective overhead
     bucket_mb: float = 25.0
+    # tp > 1 runs sequence parallelism (Korthikanti et al. 2022); with overlap its all-gathers and
+    # reduce-scatters go in this many chunks along the sequence, each overlapping a GEMM
+    tp_overlap: bool = True
+    tp_overlap_chunks: int = _min(1, 2)
+    # none | full (recompute each block) | selective (recompute the attention core)
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
     # pipeline schedule: 1f1b (interleaved 1F1B when virtual_stages > 1) or gpipe (all forwards,
     # then all backwards: the baseline, holding every micro-batch's activations)
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
@@ -314,6 +320,11 @@ def _check_parallel(cfg: Config) -> None:
     if m.n_head % p.tp:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.n_head={m.n_head} (choose {_divisors(m.n_head)})"
+        )
+    if m.seq_len % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide model.seq_len={m.seq_len} (sequence parallelism "
+            f"splits the sequence; choose a seq_len that is a multiple of {p.tp})"
         )
     stages = p.pp * p.virtual_stages
     if m.n_layer % stages:

@@ -22,12 +22,13 @@ from mshpc.faults import Fault, inject, parse_faults
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
-from mshpc.model.gpt import GPT, loss_fn
+from mshpc.model.gpt import GPT
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
-from mshpc.parallel.mesh import MeshShape
+from mshpc.parallel.apply import LossFn, parallelize
+from mshpc.parallel.mesh import Mesh, MeshShape, build_mesh
 from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
-from mshpc.parallel.zero import ZeroEngine, build_zero_engine
+from mshpc.parallel.zero import ZeroEngine
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
 
@@ -62,11 +63,6 @@ def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
     return Runtime(device=device, autocast_dtype=torch.bfloat16 if bf16 else None, peak_tflops=peak)
 
 
-def check_supported(cfg: Config) -> None:
-    if cfg.parallel.tp != 1:
-        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: not available in this version (choose 1)")
-
-
 def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
     """Rank 0 prepares the corpus if needed (once, not once per rank); the others wait."""
     error = None
@@ -86,10 +82,11 @@ def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
 
 
 def train_step(
-    engine: ZeroEngine, batch: torch.Tensor, cfg: Config, rt: Runtime
+    engine: ZeroEngine, loss_fn: LossFn, batch: torch.Tensor, cfg: Config, rt: Runtime
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over the rank's batch (grad_accum micro-batches); collective over dp.
-    Returns the loss averaged over the global batch and the global grad norm before clipping."""
+    """One optimizer step over the dp rank's batch (grad_accum micro-batches; the tp ranks of one
+    dp rank see the same batch); collective over the mesh. Returns the loss averaged over the
+    global batch and the global grad norm before clipping."""
     batch = batch.to(rt.device, non_blocking=True)  # (grad_accum * micro_batch, seq_len + 1)
     loss_sum = torch.zeros((), device=rt.device)
     micros = batch.split(cfg.train.micro_batch)
@@ -109,40 +106,42 @@ def train_step(
     return loss_sum / cfg.parallel.dp, grad_norm
 
 
-def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
+def build_data(cfg: Config, info: DistInfo, mesh: Mesh, start_step: int) -> BatchLoader:
     dataset = open_dataset(cfg, info)
-    p = cfg.parallel
-    dp_rank = MeshShape(pp=p.pp, dp=p.dp, tp=p.tp).coords(info.rank).dp  # every stage reads its replica's batch
-    return build_loader(
-        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=dp_rank,
+    return build_loader(  # every tp rank and pipeline stage of a dp replica reads its batch
+        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=mesh.coords.dp,
         dp_size=cfg.parallel.dp, seed=cfg.data.seed, start_step=start_step,
         prefetch_batches=cfg.data.prefetch_batches,
     )
 
 
-def build_model_step(cfg: Config, info: DistInfo, rt: Runtime) -> tuple[ZeroEngine, StepFn]:
-    """This rank's ZeRO engine over its part of the model, and its train step (a pipeline rank's
-    when pp > 1). Collective over the world."""
+def build_model_step(cfg: Config, mesh: Mesh, rt: Runtime) -> tuple[ZeroEngine, StepFn]:
+    """This rank's ZeRO engine over its part of the model (tp/sp, recompute, ZeRO applied), and
+    its train step (a pipeline rank's when pp > 1). Collective over the mesh."""
     torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
     if cfg.parallel.pp > 1:
-        pipe = build_pipeline(cfg, info.rank, rt.device, rt.autocast_dtype)
+        pipe = build_pipeline(cfg, mesh, rt.device, rt.autocast_dtype)
         return pipe.engine, lambda batch: pipeline_train_step(pipe, batch.to(rt.device), cfg)
-    engine = build_zero_engine(GPT(cfg.model).to(rt.device), cfg.optim, cfg.parallel)  # collective over dp
-    return engine, lambda batch: train_step(engine, batch, cfg, rt)
+    split = parallelize(GPT(cfg.model).to(rt.device), mesh, cfg)
+    return split.engine, lambda batch: train_step(split.engine, split.loss_fn, batch, cfg, rt)
 
 
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
                  faults: tuple[Fault, ...] = ()) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
-    engine, step_fn = build_model_step(cfg, info, rt)
+    p = cfg.parallel
+    mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))  # every group, once
+    engine, step_fn = build_model_step(cfg, mesh, rt)
     optimizer = engine.optimizer  # over this rank's fp32 shard
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    torch.manual_seed(cfg.train.seed + info.rank)  # per-rank dropout masks, as DP needs
+    # Per-rank dropout masks, as DP needs; tp ranks drop out of different tokens (sequence
+    # parallelism) or heads, so theirs differ too.
+    torch.manual_seed(cfg.train.seed + info.rank)
     ckpt = TrainCheckpointer(cfg, checkpoint_root(cfg, run_path(cfg)), info.rank, info.world_size,
                              engine, scheduler,
                              before_commit=lambda step: inject(faults, info.rank, step, "save"))
     start_step = ckpt.resume()
-    loader = build_data(cfg, info, start_step)
+    loader = build_data(cfg, info, mesh, start_step)
     is_logger = info.rank == 0
     run_dir, metrics = create_run_dir(cfg, start_step) if is_logger else (None, None)
     progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "none")
@@ -190,7 +189,6 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
     try:
         info = init_distributed(env)
         cfg = resolve_world(cfg, info.world_size)
-        check_supported(cfg)
         return run_training(cfg, info, build_runtime(cfg.train, info), watcher, parse_faults(env.test_faults))
     finally:
         watcher.close()

@@ -1,6 +1,7 @@
 """What of the train state goes into a checkpoint besides the ZeRO engine's own slices.
 
-Names: `model/<param>` (the dp-replicated weights, whole, written by rank 0),
+Names: `model/<param>` (the dp-replicated weights, whole, written by dp rank 0; under tensor
+parallelism a tp shard is `model/<param>@tp<r>`, a tp-replicated weight comes from tp rank 0),
 `rng/cpu/rank-<r>` and `rng/cuda/rank-<r>` (each rank's generator). The engine adds
 `master/<param>`, `optim.<key>/<param>` (flat shards) and `optim.step`. JSON-only state
 (step, scheduler, data position) travels in the manifest's extras.
@@ -13,10 +14,13 @@ from torch import nn
 
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.tensor_slice import TensorSlice
+from mshpc.parallel.zero import ModelParallel
 
 
-def model_slices(model: nn.Module) -> dict[str, TensorSlice]:
-    return {f"model/{n}": TensorSlice.whole(p.detach()) for n, p in model.named_parameters()}
+def model_slices(model: nn.Module, mp: ModelParallel = ModelParallel()) -> dict[str, TensorSlice]:
+    """This rank's weights, named as `mp` names them; a tp-replicated one from tp rank 0 only."""
+    return {f"model/{mp.checkpoint_key(n)}": TensorSlice.whole(p.detach()) for n, p in model.named_parameters()
+            if mp.tp_rank == 0 or n not in mp.replicated}
 
 
 def rng_slices(rank: int) -> dict[str, TensorSlice]:

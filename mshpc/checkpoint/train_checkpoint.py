@@ -69,9 +69,9 @@ class TrainCheckpointer:
         self.engine.wait_params()  # the weights of this step, not half-gathered ones
         slices = {**rng_slices(self.rank), **self.engine.state_slices()}
         if self.engine.rank == 0:
-            # The dp-replicated weights, for inference and inspection, once per pipeline stage
-            # (under full-model names); resume rebuilds them from the fp32 masters instead.
-            slices.update(model_slices(self.engine.model))
+            # The dp-replicated weights (dp rank 0's: each tp rank its own shards), for inference
+            # and inspection; resume rebuilds them from the fp32 masters, so they are never read back.
+            slices.update(model_slices(self.engine.model, self.engine.mp))
         return self.saver.save(step, slices, self._extras(step))
 
     def close(self) -> None:
@@ -102,13 +102,18 @@ class TrainCheckpointer:
     def _stage(self, reader: CheckpointReader) -> Callable[[], None]:
         """Read and verify this rank's own shard of the state (1/dp of it: no two ranks read the
         same bytes) into the reader's cache, so installing it cannot fail half-way."""
+        tp = reader.manifest.layout.get("tp", 1)
+        if tp != self.cfg.parallel.tp:
+            # tp shards are saved per tp rank (`<name>@tp<r>`), not as slices of the whole tensor
+            raise CheckpointError(f"{reader.folder} was written at parallel.tp={tp}; resume it at "
+                                  f"parallel.tp={tp} (this run has {self.cfg.parallel.tp})")
         for piece in self.engine.pieces:
-            shape = reader.global_shape(f"master/{piece.name}")
+            shape = reader.global_shape(f"master/{piece.key}")
             if shape != piece.shape:
-                raise CheckpointError(f"{reader.folder}: master/{piece.name} has shape {shape}, "
+                raise CheckpointError(f"{reader.folder}: master/{piece.key} has shape {shape}, "
                                       f"the model {piece.shape}")
             for prefix in ("master", *(f"optim.{k}" for k in STATE_KEYS)):
-                reader.read(f"{prefix}/{piece.name}", piece.start, piece.tensor.numel())
+                reader.read(f"{prefix}/{piece.key}", piece.start, piece.tensor.numel())
         reader.read("optim.step", 0, 1)
         extras = reader.manifest.extras
         rng = stage_rng(reader, self.rank, same_world=extras.get("world_size") == self.world_size)

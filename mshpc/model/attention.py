@@ -69,18 +69,22 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape  # (b, s, d)
+        qkv = self.qkv(x)  # (b, s, 3 * d): s and the width from qkv, which may gather or split them
+        b, s = qkv.shape[:2]
         # -1 heads: the local head count, which tensor parallelism divides.
-        qkv = self.qkv(x).view(b, s, 3, -1, self.head_dim)  # (b, s, 3, nh, hd)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, nh, s, hd)
+        q, k, v = qkv.view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # each (b, nh, s, hd)
+        y = self.attend(q, k, v).transpose(1, 2).reshape(b, s, -1)  # (b, s, d)
+        return self.resid_dropout(self.proj(y))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention core, RoPE and softmax(q k^T) v on (b, nh, s, hd): its own method so that
+        selective activation checkpointing can recompute just this part."""
+        s = q.shape[2]
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout if self.training else 0.0
         if s <= self.window:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        else:
-            # The window mask depends only on (i, j), so a shorter input uses its top-left corner.
-            mask = self.mask[:s, :s]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-        y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, d)
-        return self.resid_dropout(self.proj(y))
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        # The window mask depends only on (i, j), so a shorter input uses its top-left corner.
+        mask = self.mask[:s, :s]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)

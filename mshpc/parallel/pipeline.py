@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,11 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mshpc.config import Config, ModelConfig
-from mshpc.model.gpt import GPT, loss_fn
+from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
-from mshpc.parallel.mesh import Coords, MeshShape
+from mshpc.parallel.apply import LossFn, parallelize
+from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.schedules import LINKS, Action, PipeShape, build_plan, link
-from mshpc.parallel.zero import ModelParallel, ZeroEngine, build_zero_engine
+from mshpc.parallel.zero import ZeroEngine
 
 TIED = ("tok_embeddings.weight", "lm_head.weight")  # the first stage's and the last stage's names
 
@@ -58,25 +58,32 @@ def stage_layers(cfg: ModelConfig, shape: PipeShape, stage: int) -> list[int]:
     return list(range(stage * per, (stage + 1) * per))
 
 
-def split_model(model: GPT, shape: PipeShape, rank: int) -> tuple[GPT, list[GPT]]:
-    """Pp rank `rank`'s share of the whole `model`: one model of every part it owns and its
-    chunks, by virtual stage (stage g = chunk * pp + rank: Megatron's interleaved assignment)."""
-    stages = [c * shape.pp + rank for c in range(shape.virtual_stages)]
-    chunks = [_part(model, stage_layers(model.cfg, shape, g), g == 0, g == shape.stages - 1) for g in stages]
-    owned = [i for g in stages for i in stage_layers(model.cfg, shape, g)]
-    return _part(model, owned, rank == 0, rank == shape.pp - 1), chunks
+def _stages(shape: PipeShape, rank: int) -> list[int]:
+    """Pp rank `rank`'s virtual stages, by chunk: stage g = chunk * pp + rank (Megatron's
+    interleaved assignment)."""
+    return [c * shape.pp + rank for c in range(shape.virtual_stages)]
 
 
-def model_parallel(cfg: ModelConfig, shape: PipeShape, rank: int, group: dist.ProcessGroup | None,
-                   embedding_group: dist.ProcessGroup | None) -> ModelParallel:
-    """How the ZeRO engine of pp rank `rank` sees the other stages: the grad norm sums over
-    `group`, and a tied embedding's gradient over `embedding_group` (first + last stage),
-    counted in the norm on the first stage only."""
-    if not cfg.tie_embeddings:
-        return ModelParallel(group=group)
-    mine = TIED[0] if rank == 0 else TIED[1] if rank == shape.pp - 1 else None
-    return ModelParallel(group=group, tied=frozenset([mine] if mine else []), tied_group=embedding_group,
-                         counted_elsewhere=frozenset([TIED[1]]))
+def stage_model(model: GPT, shape: PipeShape, rank: int) -> GPT:
+    """Pp rank `rank`'s share of the whole `model`: every part its stages own, in one model
+    (what the parallelisms are applied to and ZeRO, the optimizer and checkpoints see)."""
+    owned = [i for g in _stages(shape, rank) for i in stage_layers(model.cfg, shape, g)]
+    return _part(model, owned, rank == 0, rank == shape.pp - 1)
+
+
+def stage_chunks(model: GPT, shape: PipeShape, rank: int) -> list[GPT]:
+    """The chunks of a rank's stage model, one per virtual stage, sharing its modules: made after
+    the parallelisms have replaced any, so the chunks run the final ones."""
+    return [_part(model, stage_layers(model.cfg, shape, g), g == 0, g == shape.stages - 1)
+            for g in _stages(shape, rank)]
+
+
+def tied_weights(cfg: ModelConfig, shape: PipeShape, rank: int) -> frozenset[str]:
+    """The name of this rank's copy of the tied embedding (first stage: the embedding, last stage:
+    the head), or nothing."""
+    if not cfg.tie_embeddings or 0 < rank < shape.pp - 1:
+        return frozenset()
+    return frozenset([TIED[0] if rank == 0 else TIED[1]])
 
 
 # ---------------------------------------------------------------- running a plan
@@ -109,10 +116,11 @@ class PipelineRunner:
     the engine's backward, over the dp group."""
 
     def __init__(self, chunks: list[GPT], plan: list[Action], shape: PipeShape, links: PipeLinks,
-                 engine: ZeroEngine, act_shape: tuple[int, ...], act_dtype: torch.dtype,
+                 engine: ZeroEngine, loss_fn: LossFn, act_shape: tuple[int, ...], act_dtype: torch.dtype,
                  autocast: torch.dtype | None) -> None:
         self.chunks, self.plan, self.shape, self.links = chunks, plan, shape, links
-        self.engine, self.act_shape, self.act_dtype, self.autocast = engine, act_shape, act_dtype, autocast
+        self.engine, self.loss_fn = engine, loss_fn
+        self.act_shape, self.act_dtype, self.autocast = act_shape, act_dtype, autocast
         backwards = [a for a in plan if a.op == "backward"]
         self.last_backward = {a.stage: a for a in backwards}  # each chunk's: its buckets sync there
         self.final = backwards[-1]  # the step's: the engine launches what is left there
@@ -164,7 +172,7 @@ class PipelineRunner:
         with torch.autocast(x.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             out = self.chunks[a.stage // self.shape.pp](x)
         if a.stage == self.shape.stages - 1:
-            out = loss_fn(out, micro[:, 1:]) / self.shape.micro_batches
+            out = self.loss_fn(out, micro[:, 1:]) / self.shape.micro_batches
             state.loss_sum += out.detach()
         state.inputs[a.micro, a.stage], state.outputs[a.micro, a.stage] = x, out
         self.peak_live = max(self.peak_live, len(state.inputs))
@@ -183,48 +191,14 @@ class PipelineRunner:
 # ---------------------------------------------------------------- building and stepping
 
 
-@dataclass(frozen=True)
-class PipeGroups:
-    """The process groups a pipeline rank needs besides the world."""
-
-    dp: dist.ProcessGroup  # same stage (and tp rank): ZeRO shards over it
-    model_parallel: dist.ProcessGroup  # every stage (and tp rank) of this dp replica: the grad norm sums over it
-    embedding: dist.ProcessGroup | None  # first + last stage, on those two only: the tied embedding's gradient
-    links: PipeLinks
-
-
-def _new_groups(lists: list[list[int]], rank: int) -> dist.ProcessGroup | None:
-    """Every rank creates every group (new_group is collective over the world); returns this rank's."""
-    mine = None
-    for ranks in lists:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
-
-
-def build_pipe_groups(mesh: MeshShape, rank: int, virtual_stages: int) -> PipeGroups:
-    """The pipeline's groups from plain new_group calls, one per group on every rank: a stand-in
-    until the mesh module builds the 3D groups (the links stay here: they are the pipeline's).
-    Collective over the world."""
-    coords = [mesh.coords(r) for r in range(mesh.world_size)]
-
-    def lists(same: Callable[[Coords], tuple[int, ...]], keep: Callable[[Coords], bool] = lambda c: True) -> list[list[int]]:
-        by: dict[tuple[int, ...], list[int]] = {}
-        for r, c in enumerate(coords):
-            if keep(c):
-                by.setdefault(same(c), []).append(r)
-        return list(by.values())
-
-    pp_lists = lists(lambda c: (c.dp, c.tp))
+def build_links(mesh: Mesh, virtual_stages: int) -> PipeLinks:
+    """One process group per link over this rank's pp group, members only like the mesh's
+    (every rank creates the same ones, in the same order). Collective over the pp group."""
+    ranks = mesh.shape.group_ranks(mesh.rank)["pp"]
     names = LINKS if virtual_stages > 1 else ("act", "grad")  # only interleaving wraps around
-    links = {name: _new_groups(pp_lists, rank) for name in names}
-    return PipeGroups(
-        dp=_new_groups(lists(lambda c: (c.pp, c.tp)), rank),
-        model_parallel=_new_groups(lists(lambda c: (c.dp,)), rank),
-        embedding=_new_groups(lists(lambda c: (c.dp, c.tp), lambda c: c.pp in (0, mesh.pp - 1)), rank),
-        links=PipeLinks(tuple(next(r for r in pp_lists if rank in r)), links),
-    )
+    groups = {name: dist.new_group(list(ranks), use_local_synchronization=True, group_desc=f"pp_{name}")
+              for name in names}
+    return PipeLinks(ranks, groups)
 
 
 @dataclass(frozen=True)
@@ -236,22 +210,20 @@ class Pipeline:
     runner: PipelineRunner
 
 
-def build_pipeline(cfg: Config, rank: int, device: torch.device, autocast: torch.dtype | None) -> Pipeline:
-    """Split the whole GPT (seeded by the caller: every rank draws the same weights) and make
-    global rank `rank`'s share trainable. Collective over the world (group creation)."""
-    p = cfg.parallel
-    mesh = MeshShape(pp=p.pp, dp=p.dp, tp=p.tp)
-    groups = build_pipe_groups(mesh, rank, p.virtual_stages)
-    pp_rank = mesh.coords(rank).pp
-    shape = pipe_shape(cfg)
-    model, chunks = split_model(GPT(cfg.model), shape, pp_rank)
-    model.to(device)
-    mp = model_parallel(cfg.model, shape, pp_rank, groups.model_parallel, groups.embedding)
-    engine = build_zero_engine(model, cfg.optim, cfg.parallel, groups.dp, mp)
-    plan = build_plan(cfg.parallel.pp_schedule, shape, pp_rank)
-    act_shape = (cfg.train.micro_batch, cfg.model.seq_len, cfg.model.d_model)  # (b, s, d)
+def build_pipeline(cfg: Config, mesh: Mesh, device: torch.device, autocast: torch.dtype | None) -> Pipeline:
+    """Split the whole GPT (seeded by the caller: every rank draws the same weights), keep this
+    rank's stages and apply the other parallelisms to them (apply.parallelize: TP/SP,
+    recompute, ZeRO). Collective over the mesh."""
+    shape, rank = pipe_shape(cfg), mesh.coords.pp
+    model = stage_model(GPT(cfg.model), shape, rank).to(device)
+    split = parallelize(model, mesh, cfg, tied_weights(cfg.model, shape, rank))
+    plan = build_plan(cfg.parallel.pp_schedule, shape, rank)
+    # between stages the residual stream, (b, s / tp, d) under sequence parallelism
+    act_shape = (cfg.train.micro_batch, cfg.model.seq_len // cfg.parallel.tp, cfg.model.d_model)
     dtype = next(model.parameters()).dtype  # the residual stream's: fp32 under bf16 autocast too
-    return Pipeline(model, engine, PipelineRunner(chunks, plan, shape, groups.links, engine, act_shape, dtype, autocast))
+    runner = PipelineRunner(stage_chunks(model, shape, rank), plan, shape, build_links(mesh, cfg.parallel.virtual_stages),
+                            split.engine, split.loss_fn, act_shape, dtype, autocast)
+    return Pipeline(model, split.engine, runner)
 
 
 def pipeline_train_step(pipe: Pipeline, batch: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,12 +9,19 @@ steps only its shard (fp32 masters and optimizer state: ~1/dp of the memory), an
 the updated shards bucket by bucket; the next forward of a module waits only for its own
 bucket (a forward pre-hook). With overlap off the same engine communicates after backward and
 gathers before returning from step().
+
+Under tensor parallelism each tp rank runs its own engine over its dp group. Parameters every tp
+rank holds whole (the norms) get only a partial gradient under sequence parallelism, from the
+rank's part of the sequence; they live in buckets of their own, whose reduced shards are summed
+over the tp group too (Megatron's rule for sequence-parallel norms). The clipping norm is summed
+over the model-parallel group as well, counting those parameters once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -41,6 +48,8 @@ class Bucket:
     grads: torch.Tensor  # (numel,) fp32; fp32 parameters' .grad are views into it
     master: torch.Tensor  # (shard_numel,) fp32: this rank's shard of the parameters
     rank: int  # this rank's index in the dp group: its shard is elements [rank * n, (rank + 1) * n)
+    tp_replicated: bool = False  # holds parameters every tp rank has whole (see the module doc)
+    tied: bool = False  # holds one tied parameter alone: the same shard as its copy's on the tied group
 
     @property
     def shard_grad(self) -> torch.Tensor:
@@ -50,24 +59,46 @@ class Bucket:
 
 
 @dataclass(frozen=True)
-class ModelParallel:
-    """What the engine must know of the ranks that hold the model's other parts (pipeline stages,
-    tensor shards); the engine itself stays data-parallel over its dp group."""
-
-    group: dist.ProcessGroup | None = None  # the model-parallel group: the grad norm sums over it
-    tied: frozenset[str] = frozenset()  # parameters whose gradients also sum over `tied_group`
-    tied_group: dist.ProcessGroup | None = None  # e.g. the embedding group (first + last stage)
-    counted_elsewhere: frozenset[str] = frozenset()  # in the norm once: another rank of `group` counts these
-
-
-@dataclass(frozen=True)
 class ShardPiece:
     """A parameter's part in this rank's shard: the optimizer's tensor and its checkpoint name."""
 
-    name: str
+    name: str  # the parameter's name in the model
     shape: tuple[int, ...]
     start: int  # flat offset in the parameter
     tensor: torch.Tensor  # view into its bucket's master shard
+    key: str  # its name in checkpoints: a tp shard's carries its tp rank (`<name>@tp<r>`)
+    saved: bool  # False on tp ranks > 0 for a tp-replicated parameter: tp rank 0 saves it
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """How the model an engine wraps is split besides dp. tp: the tensor-parallel group;
+    replicated: names of the parameters every tp rank holds whole; norm: the group the clipping
+    norm is summed over besides dp (the model-parallel group: tp x pp); tied: names of the
+    parameters another pipeline stage holds a copy of (a tied embedding: first and last stage),
+    whose gradients are summed over tied_group."""
+
+    tp: dist.ProcessGroup | None = None
+    replicated: frozenset[str] = field(default_factory=frozenset)
+    norm: dist.ProcessGroup | None = None
+    tied: frozenset[str] = field(default_factory=frozenset)
+    tied_group: dist.ProcessGroup | None = None
+
+    @property
+    def tp_size(self) -> int:
+        return 1 if self.tp is None else dist.get_world_size(self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        return 0 if self.tp is None else dist.get_rank(self.tp)
+
+    def checkpoint_key(self, name: str) -> str:
+        return name if self.tp_size == 1 or name in self.replicated else f"{name}@tp{self.tp_rank}"
+
+    def counts_tied(self, name: str) -> bool:
+        """False for a tied copy this rank does not count in the norm: the first rank of the
+        tied group counts it."""
+        return name not in self.tied or dist.get_rank(self.tied_group) == 0
 
 
 class ZeroEngine:
@@ -79,7 +110,7 @@ class ZeroEngine:
         self, model: nn.Module, params: list[nn.Parameter], buckets: list[Bucket],
         bucket_of: list[int], grad_views: list[torch.Tensor], pieces: list[ShardPiece],
         optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None, overlap: bool,
-        model_parallel: ModelParallel = ModelParallel(), tied_buckets: tuple[int, ...] = (),
+        mp: ModelParallel,
     ) -> None:
         self.model = model
         self.params = params
@@ -90,8 +121,7 @@ class ZeroEngine:
         self.optimizer = optimizer
         self.group = group
         self.overlap = overlap
-        self.model_parallel = model_parallel
-        self.tied_buckets = tied_buckets  # the buckets of model_parallel.tied, one parameter each
+        self.mp = mp
         self.dp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._ready = [0] * len(buckets)  # parameters whose gradient is complete, per bucket
@@ -128,12 +158,14 @@ class ZeroEngine:
         for work in self._reducing:
             if work is not None:
                 work.wait()
+        for b in self.buckets:
+            if b.tp_replicated and self.mp.tp_size > 1:  # partial sums over the sequence shards
+                comm.all_reduce(b.shard_grad, group=self.mp.tp)
+            if b.tied:  # plus the gradient of the copy on the other stage: its shard is this one
+                comm.all_reduce(b.shard_grad, group=self.mp.tied_group)
         shards = [b.shard_grad for b in self.buckets]
         if self.dp > 1:
             torch._foreach_div_(shards, float(self.dp))  # sum -> mean over the global batch
-        for b in self.tied_buckets:
-            # add the gradient of the tied copy (same bucket layout there, so the same shard)
-            comm.all_reduce(self.buckets[b].shard_grad, group=self.model_parallel.tied_group)
         norm = self._clip(shards, max_norm)
         self.wait_params()  # a bucket no forward used may still be gathering from its master
         self.optimizer.step()
@@ -158,16 +190,19 @@ class ZeroEngine:
 
     def state_slices(self) -> dict[str, TensorSlice]:
         """This rank's fp32 masters and optimizer state as slices of the whole parameters
-        (`master/<name>`, `optim.<key>/<name>`), plus `optim.step` from the first rank of the dp and
-        model-parallel groups only; no slice is held by two ranks. Views into live state: copy before the next step."""
+        (`master/<key>`, `optim.<state>/<key>`, keys as in ShardPiece), plus `optim.step` from the
+        first rank of the dp and model-parallel groups only; no slice is held by two ranks. Views
+        into live state: copy before the next step."""
         out = {}
         for piece in self.pieces:
-            out[f"master/{piece.name}"] = TensorSlice(piece.tensor, piece.shape, piece.start)
+            if not piece.saved:
+                continue
+            out[f"master/{piece.key}"] = TensorSlice(piece.tensor, piece.shape, piece.start)
             for key in STATE_KEYS:
                 state = self.optimizer.state[piece.tensor][key]
-                out[f"optim.{key}/{piece.name}"] = TensorSlice(state, piece.shape, piece.start)
-        mp_group = self.model_parallel.group
-        if self.rank == 0 and self.pieces and (mp_group is None or dist.get_rank(mp_group) == 0):
+                out[f"optim.{key}/{piece.key}"] = TensorSlice(state, piece.shape, piece.start)
+        first = self.mp.tp_rank == 0 and (self.mp.norm is None or dist.get_rank(self.mp.norm) == 0)
+        if self.rank == 0 and first and self.pieces:
             out["optim.step"] = TensorSlice.whole(self.optimizer.state[self.pieces[0].tensor]["step"])
         return out
 
@@ -180,10 +215,10 @@ class ZeroEngine:
         step = read("optim.step", 0, 1).reshape(()).to("cpu", torch.float32)
         for piece in self.pieces:
             numel = piece.tensor.numel()
-            piece.tensor.copy_(read(f"master/{piece.name}", piece.start, numel))
+            piece.tensor.copy_(read(f"master/{piece.key}", piece.start, numel))
             state = self.optimizer.state[piece.tensor]
             for key in STATE_KEYS:
-                state[key].copy_(read(f"optim.{key}/{piece.name}", piece.start, numel))
+                state[key].copy_(read(f"optim.{key}/{piece.key}", piece.start, numel))
             state["step"] = step.clone()
         self._start_gathers()
         self.wait_params()
@@ -214,17 +249,15 @@ class ZeroEngine:
             self._next_reduce += 1
 
     def _clip(self, shards: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Scale the reduced shards so that the global L2 norm of the whole model's gradients
-        is at most max_norm; one all-reduce of a scalar over the dp group, one over the
-        model-parallel group, each parameter counted once."""
-        mp = self.model_parallel
-        counted = [p.tensor.grad for p in self.pieces if p.name not in mp.counted_elsewhere]
-        norm_sq = torch.zeros((), device=self.buckets[0].grads.device)
-        if counted:
-            norm_sq = torch.stack(torch._foreach_norm(counted)).square().sum()
+        """Scale the reduced shards so that the L2 norm of the whole model's gradient is at most
+        max_norm; an all-reduce of a scalar over the dp group, and one over the model-parallel
+        group. Each parameter counts once, as in the unsplit model: a tp-replicated one on tp rank
+        0, a tied one on the first rank of its tied group."""
+        counted = [p.tensor.grad for p in self.pieces if p.saved and self.mp.counts_tied(p.name)]
+        norm_sq = torch.stack(torch._foreach_norm(counted)).square().sum() if counted else shards[0].new_zeros(())
         comm.all_reduce(norm_sq, group=self.group)
-        if mp.group is not None:
-            comm.all_reduce(norm_sq, group=mp.group)
+        if self.mp.norm is not None and dist.get_world_size(self.mp.norm) > 1:
+            comm.all_reduce(norm_sq, group=self.mp.norm)
         norm = norm_sq.sqrt()
         if not math.isinf(max_norm):
             coef = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
@@ -265,8 +298,25 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return named
 
 
+def build_layouts(numels: list[int], tp_replicated: list[bool], tied: list[bool], bucket_numel: int,
+                  dp: int) -> list[BucketLayout]:
+    """Buckets of the parameters tp ranks split, then buckets of those every tp rank holds whole
+    (without tensor parallelism: all of them in the first kind). The second kind comes last:
+    their reduce-scatters start in bucket order, and the first layer's norm completes them. A
+    tied parameter gets a bucket of its own."""
+    layouts = []
+    for kind in (False, True):
+        indices = [i for i, rep in enumerate(tp_replicated) if rep == kind]
+        alone = frozenset(k for k, i in enumerate(indices) if tied[i])
+        for layout in build_buckets([numels[i] for i in indices], bucket_numel, dp, alone):
+            slots = tuple(dataclasses.replace(slot, index=indices[slot.index]) for slot in layout.slots)
+            layouts.append(dataclasses.replace(layout, slots=slots))
+    return layouts
+
+
 def build_bucket_buffers(
-    params: list[nn.Parameter], layouts: list[BucketLayout], rank: int, group: dist.ProcessGroup | None
+    params: list[nn.Parameter], layouts: list[BucketLayout], rank: int, group: dist.ProcessGroup | None,
+    tp_replicated: list[bool], tied: list[bool],
 ) -> list[Bucket]:
     """Move each parameter into its bucket's flat buffer (the parameter becomes a view), make
     every rank's parameters dp rank 0's, and cut this rank's fp32 master shard. Collective over
@@ -284,7 +334,8 @@ def build_bucket_buffers(
         comm.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         lo = rank * layout.shard_numel
         master = flat[lo:lo + layout.shard_numel].to(torch.float32, copy=True)
-        buckets.append(Bucket(layout, flat, grads, master, rank))
+        first = layout.slots[0].index
+        buckets.append(Bucket(layout, flat, grads, master, rank, tp_replicated[first], tied[first]))
     return buckets
 
 
@@ -302,10 +353,10 @@ def build_grad_views(params: list[nn.Parameter], buckets: list[Bucket]) -> list[
 
 
 def build_shard_pieces(
-    named: list[tuple[str, nn.Parameter]], buckets: list[Bucket], rank: int
+    named: list[tuple[str, nn.Parameter]], buckets: list[Bucket], rank: int, mp: ModelParallel
 ) -> list[ShardPiece]:
     """This rank's part of every parameter, as views into the master shards, each with its
-    .grad a view into the reduced gradient shard."""
+    .grad a view into the reduced gradient shard, and its checkpoint key."""
     pieces = []
     for bucket in buckets:
         shard_grad = bucket.shard_grad
@@ -314,7 +365,8 @@ def build_shard_pieces(
             span = slice(piece.shard_offset, piece.shard_offset + piece.numel)
             tensor = bucket.master[span]
             tensor.grad = shard_grad[span]
-            pieces.append(ShardPiece(name, tuple(p.shape), piece.param_start, tensor))
+            saved = mp.tp_rank == 0 or not bucket.tp_replicated
+            pieces.append(ShardPiece(name, tuple(p.shape), piece.param_start, tensor, mp.checkpoint_key(name), saved))
     return pieces
 
 
@@ -348,27 +400,29 @@ def _register_hooks(engine: ZeroEngine) -> None:
 
 def build_zero_engine(
     model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
-    model_parallel: ModelParallel = ModelParallel(),
+    mp: ModelParallel = ModelParallel(),
 ) -> ZeroEngine:
     """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
-    (None: the world), with the optimizer named by `optim`; `model_parallel` says how the
-    model's other parts elsewhere enter the step. Collective over the dp group."""
+    (None: the world), with the optimizer named by `optim`; `mp` says how the model is split
+    besides. Collective over the dp group."""
     named = _trainable(model)
     params = [p for _, p in named]
     rank, dp = dist.get_rank(group), dist.get_world_size(group)
     bucket_numel = max(1, int(parallel.bucket_mb * 2**20) // GRAD_DTYPE.itemsize)  # MiB of fp32 grads
-    tied = frozenset(i for i, (name, _) in enumerate(named) if name in model_parallel.tied)
-    layouts = build_buckets([p.numel() for p in params], bucket_numel, dp, alone=tied)
-    buckets = build_bucket_buffers(params, layouts, rank, group)
+    replicated = [mp.tp_size > 1 and name in mp.replicated for name, _ in named]
+    tied = [name in mp.tied for name, _ in named]
+    layouts = build_layouts([p.numel() for p in params], replicated, tied, bucket_numel, dp)
+    buckets = build_bucket_buffers(params, layouts, rank, group, replicated, tied)
     bucket_of = [0] * len(params)
     for b, layout in enumerate(layouts):
         for slot in layout.slots:
             bucket_of[slot.index] = b
     grad_views = build_grad_views(params, buckets)
-    pieces = build_shard_pieces(named, buckets, rank)
+    pieces = build_shard_pieces(named, buckets, rank, mp)
     groups = build_piece_groups(model, named, pieces, optim.weight_decay)
-    optimizer = build_shard_optimizer(groups, len(params), optim, group)
+    tp_whole = frozenset(i for i, rep in enumerate(replicated) if rep)
+    optimizer = build_shard_optimizer(groups, len(params), optim, group, mp.tp, tp_whole)
     engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group,
-                        parallel.dp_overlap, model_parallel, tuple(bucket_of[i] for i in sorted(tied)))
+                        parallel.dp_overlap, mp)
     _register_hooks(engine)
     return engine

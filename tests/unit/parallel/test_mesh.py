@@ -20,3 +20,33 @@ def test_rank_inverts_coords():
 def test_rank_outside_mesh_is_a_clear_error():
     with pytest.raises(ConfigError, match="rank 8 is outside a mesh of 8 ranks"):
         MeshShape(pp=2, dp=2, tp=2).coords(8)
+
+
+def test_group_ranks_of_dp2_tp2_pp2():
+    shape = MeshShape(pp=2, dp=2, tp=2)
+    # rank 5 = (pp=1, dp=0, tp=1)
+    assert shape.group_ranks(5) == {
+        "tp": (4, 5), "dp": (5, 7), "pp": (1, 5), "mp": (0, 1, 4, 5), "embed": (1, 5),
+    }
+
+
+def test_middle_stages_embed_alone_and_ends_pair_up():
+    shape = MeshShape(pp=4, dp=1, tp=2)
+    assert shape.group_ranks(1)["embed"] == (1, 7)  # first stage, tp=1
+    assert shape.group_ranks(7)["embed"] == (1, 7)  # last stage, tp=1
+    assert shape.group_ranks(3)["embed"] == (3,)  # a middle stage holds no embedding
+    assert shape.group_ranks(3)["pp"] == (1, 3, 5, 7)
+
+
+def test_groups_of_one_name_partition_the_world():
+    shape = MeshShape(pp=3, dp=2, tp=4)
+    groups = shape.all_groups()
+    for name in ("tp", "dp", "pp", "mp"):
+        members = sorted(r for g in groups[name] for r in g)
+        assert members == list(range(shape.world_size)), name
+    assert len(groups["tp"]) == 6 and len(groups["dp"]) == 12 and len(groups["pp"]) == 8
+    assert len(groups["mp"]) == 2 and all(len(g) == 12 for g in groups["mp"])
+    # each rank's own groups are among them
+    for rank in range(shape.world_size):
+        for name, ranks in shape.group_ranks(rank).items():
+            assert rank in ranks and ranks in groups[name]

@@ -1,0 +1,131 @@
+"""The one place a model meets the mesh: each parallelism applied to the plain GPT from outside,
+one function each, in torchtitan's order: tensor + sequence parallelism, then activation
+checkpointing (it must wrap the tensor-parallel modules, whose collectives it then recomputes),
+then ZeRO data parallelism (it must see the final, sharded parameters).
+
+Every rank builds the whole model from the same seed and keeps its own slices of it, so a split
+model starts from exactly the weights the unsplit one would. A pipeline stage model (the
+full model's names, some parts removed) goes through the same functions.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mshpc.config import Config, ParallelConfig
+from mshpc.model.gpt import loss_fn
+from mshpc.parallel.mesh import Mesh
+from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                   chunk_bounds, vocab_parallel_cross_entropy)
+from mshpc.parallel.zero import ModelParallel, ZeroEngine, build_zero_engine
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
+TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
+@dataclass(frozen=True)
+class Parallelized:
+    engine: ZeroEngine  # engine.model is the (split) model
+    loss_fn: LossFn  # the loss of what the split model returns (vocab-parallel logits under tp)
+
+
+def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] = frozenset()) -> Parallelized:
+    """Apply TP/SP, activation checkpointing and ZeRO to `model`, in that order; `tied`: see
+    apply_zero. Collective over the tp and dp groups."""
+    loss = apply_tp(model, mesh.tp, cfg.parallel) if mesh.shape.tp > 1 else loss_fn
+    apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
+    return Parallelized(apply_zero(model, mesh, cfg, tied), loss)
+
+
+# ---------------------------------------------------------------- tensor + sequence parallelism
+
+
+def _blocks(model: nn.Module) -> Iterable[nn.Module]:
+    layers = getattr(model, "layers", None) or []
+    return layers.values() if isinstance(layers, nn.ModuleDict) else layers
+
+
+def _part(n: int, group: dist.ProcessGroup) -> slice:
+    """This rank's near-equal part of range(n) (uneven only for the vocabulary)."""
+    lo, hi = chunk_bounds(n, dist.get_world_size(group))[dist.get_rank(group)]
+    return slice(lo, hi)
+
+
+def _rows(weight: torch.Tensor, group: dist.ProcessGroup, blocks: int = 1) -> torch.Tensor:
+    """This rank's part of each of `blocks` equal row blocks ([q; k; v] for qkv: its heads)."""
+    w = weight.detach().unflatten(0, (blocks, -1))  # (blocks, out / blocks, in)
+    return w[:, _part(w.shape[1], group)].flatten(0, 1).clone()
+
+
+def _columns(weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return weight.detach()[:, _part(weight.shape[1], group)].clone()
+
+
+def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfig) -> LossFn:
+    """Megatron's split with sequence parallelism: vocab-parallel embedding and lm head (a tied
+    weight stays tied: both split the vocabulary alike), qkv and mlp.fc column-parallel,
+    attn.proj and mlp.proj row-parallel; norms and dropout see 1/tp of the sequence. Returns the
+    loss for the vocab-parallel logits."""
+    chunks = parallel.tp_overlap_chunks if parallel.tp_overlap else 1
+    embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "lm_head", None)
+    vocab = (embedding or head).weight.shape[0]
+    vocab_start = _part(vocab, group).start
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    if embedding is not None:
+        model.tok_embeddings = VocabParallelEmbedding(_rows(embedding.weight, group), vocab_start, group)
+    if head is not None:
+        model.lm_head = ColumnParallelLinear(_rows(head.weight, group), group, chunks)
+        if tied:
+            model.lm_head.weight = model.tok_embeddings.weight
+    for block in _blocks(model):
+        attn, mlp = block.attn, block.mlp
+        attn.qkv = ColumnParallelLinear(_rows(attn.qkv.weight, group, blocks=3), group, chunks)
+        attn.proj = RowParallelLinear(_columns(attn.proj.weight, group), group, chunks)
+        mlp.fc = ColumnParallelLinear(_rows(mlp.fc.weight, group), group, chunks)
+        mlp.proj = RowParallelLinear(_columns(mlp.proj.weight, group), group, chunks)
+    return functools.partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=group)
+
+
+def tp_replicated(model: nn.Module) -> frozenset[str]:
+    """Names of the parameters that tensor parallelism left whole on every tp rank (norms)."""
+    owners = {id(p) for m in model.modules() if isinstance(m, TP_MODULES) for p in m.parameters()}
+    return frozenset(n for n, p in model.named_parameters() if id(p) not in owners)
+
+
+# ---------------------------------------------------------------- activation checkpointing
+
+
+def _recomputed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    # Non-reentrant: it restores the RNG state for dropout and works with the ZeRO hooks.
+    return functools.partial(checkpoint, fn, use_reentrant=False)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """full: keep only each block's input and recompute the block in backward. selective:
+    recompute only the attention core (RoPE, softmax(q k^T) v), whose activations grow with s^2
+    and cost few FLOPs to redo (Korthikanti et al. 2022 sec. 4.1). The same names the planner
+    uses (`parallel.activation_checkpointing`)."""
+    for block in _blocks(model):
+        if mode == "full":
+            block.forward = _recomputed(block.forward)
+        elif mode == "selective":
+            block.attn.attend = _recomputed(block.attn.attend)
+
+
+# ---------------------------------------------------------------- data parallelism
+
+
+def apply_zero(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] = frozenset()) -> ZeroEngine:
+    """ZeRO-2 over the dp group; the clipping norm is summed over the model-parallel group too.
+    `tied` names a pipeline stage's copy of a weight the other embedding stage holds too (the
+    tied embedding): its gradient is summed over the mesh's embed group."""
+    replicated = tp_replicated(model) if mesh.shape.tp > 1 else frozenset()
+    mp = ModelParallel(tp=mesh.tp, replicated=replicated, norm=mesh.mp, tied=tied, tied_group=mesh.embed)
+    return build_zero_engine(model, cfg.optim, cfg.parallel, mesh.dp, mp)
