@@ -1,5 +1,6 @@
 """Pipeline parallelism on gloo ranks against single-rank training of the same model and global
-batch: pp=2 (1F1B, GPipe), pp=2 with 2 virtual stages (interleaved 1F1B), and dp=2 x pp=2.
+batch: pp=2 (1F1B, GPipe), pp=2 with 2 virtual stages (interleaved 1F1B), dp=2 x pp=2,
+tp=2 x pp=2 and dp=2 x tp=2 x pp=2.
 
 Each layout is one spawn (module fixtures) that runs its cases and returns numbers; every rank
 also trains the single-rank reference itself, so nothing but JSON crosses process boundaries.
@@ -88,6 +89,7 @@ CASES = {  # world -> case name -> config arguments after world
         "interleaved": (2, 2, "1f1b", "adamw"), "interleaved-no-overlap": (2, 2, "1f1b", "adamw", False)},
     4: {"dp2-1f1b": (2, 1, "1f1b", "adamw"), "dp2-interleaved": (2, 2, "1f1b", "adamw"),
         "tp2-1f1b": (2, 1, "1f1b", "adamw", True, 2), "tp2-interleaved-lamb": (2, 2, "1f1b", "lamb", True, 2)},
+    8: {"dp2-tp2-1f1b": (2, 1, "1f1b", "adamw", True, 2), "dp2-tp2-interleaved": (2, 2, "1f1b", "adamw", True, 2)},
 }
 
 
@@ -103,14 +105,19 @@ def pp2() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def dp2_pp2() -> list[dict]:
-    return run_ranks(cases, 4, timeout_s=300)
+def world4() -> list[dict]:
+    return run_ranks(cases, 4, timeout_s=400)
 
 
-@pytest.fixture(params=[(2, c) for c in CASES[2]] + [(4, c) for c in CASES[4]], ids=lambda p: f"world{p[0]}-{p[1]}")
+@pytest.fixture(scope="module")
+def world8() -> list[dict]:
+    return run_ranks(cases, 8, timeout_s=600)
+
+
+@pytest.fixture(params=[(w, c) for w in CASES for c in CASES[w]], ids=lambda p: f"world{p[0]}-{p[1]}")
 def case(request) -> tuple[str, list[dict]]:
     world, name = request.param
-    ranks = request.getfixturevalue("pp2" if world == 2 else "dp2_pp2")
+    ranks = request.getfixturevalue({2: "pp2", 4: "world4", 8: "world8"}[world])
     return name, [r[name] for r in ranks]
 
 
