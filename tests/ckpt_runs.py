@@ -23,6 +23,10 @@ def losses(tmp_path, name):
 
 
 def final_params(ckpt_root: Path) -> dict[str, np.ndarray]:
-    """Model tensors of the latest checkpoint, read with plain h5py."""
-    with h5py.File(ckpt_root / "latest" / "shard-00000.h5", "r") as f:
-        return {k: f["model"][k][()] for k in f["model"]}
+    """Model tensors of the latest checkpoint (from every shard: each tp rank writes its own),
+    read with plain h5py."""
+    out = {}
+    for shard in sorted((ckpt_root / "latest").glob("shard-*.h5")):
+        with h5py.File(shard, "r") as f:
+            out.update({k: f["model"][k][()] for k in f.get("model", {})})
+    return out
