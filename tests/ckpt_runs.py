@@ -23,10 +23,10 @@ def losses(tmp_path, name):
 
 
 def final_params(ckpt_root: Path) -> dict[str, np.ndarray]:
-    """Model tensors of the latest checkpoint, read with plain h5py (from every shard that has
-    some: each pipeline stage writes its own)."""
+    """Model tensors of the latest checkpoint (from every shard: each tp rank writes its own),
+    read with plain h5py."""
     out = {}
-    for path in sorted((ckpt_root / "latest").glob("shard-*.h5")):
-        with h5py.File(path, "r") as f:
+    for shard in sorted((ckpt_root / "latest").glob("shard-*.h5")):
+        with h5py.File(shard, "r") as f:
             out.update({k: f["model"][k][()] for k in f.get("model", {})})
     return out
