@@ -12,8 +12,8 @@ from mshpc.optim.optimizer import build_optimizer
 GRAD_CLIP = 0.05  # below the gradient norms of these runs' steps: clipping acts in every step
 
 
-def optim_cfg(name: str) -> OptimConfig:
-    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP)
+def optim_cfg(name: str, eps: float = 1e-8) -> OptimConfig:
+    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP, eps=eps)
 
 
 def global_batch(cfg: ModelConfig, sequences: int, step: int) -> torch.Tensor:
@@ -22,19 +22,19 @@ def global_batch(cfg: ModelConfig, sequences: int, step: int) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(100 + step))
 
 
-def train_reference(cfg: ModelConfig, name: str, steps: int, sequences: int
+def train_reference(cfg: ModelConfig, optim: OptimConfig, steps: int, sequences: int
                     ) -> tuple[GPT, torch.optim.Optimizer, list[float], list[float]]:
-    """Train GPT(cfg) from seed 0 for `steps` steps; returns it, its optimizer, the losses and
-    the grad norms before clipping."""
+    """Train GPT(cfg) from seed 0 for `steps` steps of `sequences` sequences, clipping at
+    optim.grad_clip; returns it, its optimizer, the losses and the grad norms before clipping."""
     torch.manual_seed(0)
     model = GPT(cfg)
-    optimizer = build_optimizer(model, optim_cfg(name))
+    optimizer = build_optimizer(model, optim)
     losses, norms = [], []
     for step in range(steps):
         b = global_batch(cfg, sequences, step)
         loss = loss_fn(model(b[:, :-1]), b[:, 1:])
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())

@@ -31,7 +31,7 @@ def batch(step: int) -> torch.Tensor:
 
 
 def reference(name: str, steps: int) -> tuple[GPT, torch.optim.Optimizer, list[float], list[float]]:
-    return train_reference(TINY, name, steps, GLOBAL_BATCH)
+    return train_reference(TINY, optim_cfg(name), steps, GLOBAL_BATCH)
 
 
 def engine_for(name: str, overlap: bool, world: int, seed: int = 0) -> ZeroEngine:
