@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from mshpc.model.gpt import GPT, loss_fn
-from mshpc.optim.optimizer import build_optimizer
+from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
 from mshpc.parallel.apply import Parallelized, parallelize
 from mshpc.parallel.mesh import MeshShape, build_mesh
 from rank_runner import run_ranks
+from single_rank import train_single_rank
 
 # vocab 63: uneven vocab shards (31 + 32 rows); seq 32: 16 per tp rank, 2 chunks of 8
 TINY = ModelConfig(vocab_size=63, seq_len=32, n_layer=2, n_head=4, d_model=32)
@@ -54,23 +54,6 @@ def config(name: str, tp: int, dp: int) -> Config:
 def batch(step: int) -> torch.Tensor:
     return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, TINY.seq_len + 1),
                          generator=torch.Generator().manual_seed(100 + step))
-
-
-def reference(cfg: Config) -> tuple[GPT, list[float], list[float]]:
-    """One rank, the whole global batch, torch's clipping and optimizer."""
-    torch.manual_seed(0)
-    model = GPT(cfg.model)
-    optimizer = build_optimizer(model, cfg.optim)
-    losses, norms = [], []
-    for step in range(STEPS):
-        b = batch(step)
-        loss = loss_fn(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return model, losses, norms
 
 
 def train_split(split: Parallelized, cfg: Config, dp_rank: int) -> tuple[list[float], list[float]]:
@@ -114,7 +97,7 @@ def cases(rank: int, world: int, tp: int) -> dict:
         torch.manual_seed(0)
         split = parallelize(GPT(cfg.model), mesh, cfg)
         losses, norms = train_split(split, cfg, mesh.coords.dp)
-        ref_model, ref_losses, ref_norms = reference(cfg)
+        ref_model, _, ref_losses, ref_norms = train_single_rank(cfg.model, cfg.optim, batch, STEPS)
         ref = dict(ref_model.named_parameters())
         params = dict(split.engine.model.named_parameters())
         assert params.keys() == ref.keys(), "tensor parallelism must keep the model's names"

@@ -14,10 +14,10 @@ import torch
 
 from mshpc.config import ModelConfig, OptimConfig, ParallelConfig
 from mshpc.model.gpt import GPT, loss_fn
-from mshpc.optim.optimizer import build_optimizer
 from mshpc.parallel import comm
 from mshpc.parallel.zero import ZeroEngine, build_zero_engine
 from rank_runner import run_ranks
+from single_rank import train_single_rank
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 BUCKET_MB = 16 / 1024  # 16 KiB: 10 buckets for this model, so there is something to overlap
@@ -38,19 +38,7 @@ def batch(step: int) -> torch.Tensor:
 
 def reference(name: str, steps: int) -> tuple[GPT, torch.optim.Optimizer, list[float], list[float]]:
     """Single-rank training on the whole global batch: torch's clipping, the unsharded optimizer."""
-    torch.manual_seed(0)
-    model = GPT(TINY)
-    optimizer = build_optimizer(model, optim_cfg(name))
-    losses, norms = [], []
-    for step in range(steps):
-        b = batch(step)
-        loss = loss_fn(model(b[:, :-1]), b[:, 1:])
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return model, optimizer, losses, norms
+    return train_single_rank(TINY, optim_cfg(name), batch, steps)
 
 
 def engine_for(name: str, overlap: bool, world: int, seed: int = 0) -> ZeroEngine:
