@@ -2,9 +2,8 @@
 link its step with overlap takes <= 0.8x its step without, and <= 1.0x torch DDP's on the same
 model and batch, while each rank holds ~1/dp of DDP's optimizer memory.
 
-The two ranks run in two network namespaces joined by a veth pair, with a `tc` token-bucket
-rate limit on each end (addresses on that private link only: nothing leaves the machine); then
-once more with the limit removed. Without root or iproute2, it says so and uses loopback.
+The two ranks run on a rate-limited veth link between network namespaces, then unlimited
+(two_ranks.py); without root or iproute2, on loopback.
 
     .venv/bin/python benchmarks/dp_overlap.py [--rate-mbit 1000] [--micro-batch 4]
         [--bucket-mb 1] [--rounds 6] [--steps 3]
@@ -14,135 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ADDRS = ("10.77.0.1", "10.77.0.2")  # the private veth link between the two namespaces
-PORT = 29500  # free by construction: the namespaces are new
-WORKER_TIMEOUT_S = 600
-
-
-# ---------------------------------------------------------------- the link
-
-
-class Link:
-    """Two namespaces joined by a veth pair; `set_rate` puts a tbf limit on both ends."""
-
-    def __init__(self, prefix: str = "dp") -> None:
-        tag = os.getpid() % 100000  # with `prefix` (the benchmark's), unique on this machine
-        self.ns = (f"mshpc-{prefix}{tag}a", f"mshpc-{prefix}{tag}b")
-        self.dev = (f"m{prefix}{tag}a", f"m{prefix}{tag}b")  # interface names: 15 characters at most
-
-    def __enter__(self) -> Link:
-        try:
-            for ns in self.ns:
-                _ip("netns", "add", ns)
-            _ip("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-            for ns, dev, addr in zip(self.ns, self.dev, ADDRS):
-                _ip("link", "set", dev, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        for ns in self.ns:  # deleting a namespace deletes its end of the veth, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-    def set_rate(self, rate_mbit: float | None, queue_ms: float = 10.0) -> None:
-        for ns, dev in zip(self.ns, self.dev):
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
-                           capture_output=True)  # absent the first time
-            if rate_mbit is not None:
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                                "rate", f"{rate_mbit}mbit", "burst", "256kb", "latency", f"{queue_ms}ms"],
-                               check=True, capture_output=True)
-
-    def prefix(self, rank: int) -> tuple[list[str], dict[str, str]]:
-        # gloo must use the veth: the host name resolves to an address the namespace cannot reach
-        return ["ip", "netns", "exec", self.ns[rank]], {"GLOO_SOCKET_IFNAME": self.dev[rank]}
-
-
-class Loopback:
-    """The fallback: both ranks on 127.0.0.1, no rate limit possible."""
-
-    def prefix(self, rank: int) -> tuple[list[str], dict[str, str]]:
-        return [], {"GLOO_SOCKET_IFNAME": "lo"}
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-def why_no_namespaces() -> str | None:
-    if os.geteuid() != 0:
-        return "not root"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    return f"{' and '.join(missing)} not installed (apt-get install -y iproute2)" if missing else None
-
-
-def run_pair(link: Link | Loopback, addr: str, port: int, args: argparse.Namespace, script: str = __file__) -> dict:
-    """Start both ranks of benchmark `script` (each `script --worker RANK --addr --port` and
-    `args`), wait for them, return rank 0's measurements: its last line of JSON."""
-    procs = []
-    for rank in range(2):
-        prefix, env = link.prefix(rank)
-        cmd = [*prefix, sys.executable, script, "--worker", str(rank), "--addr", addr, "--port", str(port),
-               *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "addr", "port")]]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, **env, "PYTHONPATH": str(REPO)}))
-    try:
-        outs = [p.communicate(timeout=WORKER_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
-        if p.returncode != 0:
-            raise SystemExit(f"{Path(script).stem}: rank {rank} failed (exit {p.returncode}):\n{err[-3000:]}")
-    return json.loads(outs[0][0].strip().splitlines()[-1])
-
-
-def link_parser(doc: str | None) -> argparse.ArgumentParser:
-    """The arguments of every benchmark run by run_on_links: the rate, and those run_pair gives
-    each rank."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
-    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--addr", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
-    return parser
-
-
-def run_on_links(args: argparse.Namespace, script: str = __file__, prefix: str = "dp") -> dict[str, dict]:
-    """run_pair over a link limited to args.rate_mbit, then unlimited; on loopback where
-    namespaces cannot be made. Returns rank 0's measurements by link label."""
-    reason = why_no_namespaces()
-    if reason is not None:
-        print(f"{Path(script).stem}: cannot create network namespaces ({reason}); running on loopback, "
-              "without a rate limit", file=sys.stderr)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        return {"loopback": run_pair(Loopback(), "127.0.0.1", port, args, script)}
-    results = {}
-    with Link(prefix) as link:
-        for label, rate in ((f"{args.rate_mbit:g}mbit", args.rate_mbit), ("unlimited", None)):
-            link.set_rate(rate)
-            results[label] = run_pair(link, ADDRS[0], PORT, args, script)
-    return results
+from two_ranks import REPO, WORKER_TIMEOUT_S, add_worker_options, run_on_links, time_steps
 
 
 # ---------------------------------------------------------------- one rank
@@ -223,32 +99,6 @@ def build_steps(model_cfg, optim_cfg, bucket_mb: float, micro_batch: int, rank: 
     }
 
 
-def time_steps(steps: dict, rounds: int, per_round: int) -> dict[str, float]:
-    """Steady-state step time: median over rounds of the mean of `per_round` consecutive steps.
-    An untimed lead-in step comes first, so the first timed forward waits for the all-gathers
-    of a previous step, as every forward in training does; the last timed step's all-gathers
-    are the next step's to wait for, and land after the clock stops. The contenders take turns
-    within each round, so a noisy neighbour on the machine slows all of them alike. Round 0 is
-    warm-up."""
-    from mshpc.parallel import comm
-
-    names = [n for n in steps if n != "facts"]
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds + 1):
-        for name in names:
-            step, finish = steps[name]
-            comm.barrier()  # not between lead-in and clock: it would wait for the all-gathers
-            step()
-            start = time.perf_counter()
-            for _ in range(per_round):
-                step()
-            elapsed = time.perf_counter() - start
-            finish()
-            if r > 0:
-                samples[name].append(elapsed / per_round)
-    return {n: statistics.median(s) for n, s in samples.items()}
-
-
 def time_reduce_scatter(bucket_mb: float, mib: int = 16, repeats: int = 5) -> dict[str, float]:
     """Gloo's reduce-scatter as the engine does it (comm.reduce_scatter: all_to_all_single and a
     local sum) against gloo's own reduce_scatter_single: `mib` MiB as async bucket_mb buckets."""
@@ -296,16 +146,18 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = link_parser(__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     # 1 MiB: 12 buckets for this model, and at dp=2 each all-gather is one gloo message (no staging)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="for the engine and for DDP")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.worker is not None:
         return worker(args)
-    results = run_on_links(args)
+    results = run_on_links(__file__, "dp", args.rate_mbit, args)
     for label, r in results.items():
         for record in lines(label, r, args):
             print(json.dumps(record), flush=True)

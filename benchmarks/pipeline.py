@@ -2,8 +2,8 @@
 papers compute, (p - 1) / (m + p - 1) and (p - 1) / (v m + p - 1), so interleaving cuts the
 bubble and the step time against 1F1B, which matches GPipe's bubble with less activation memory.
 
-pp=2 ranks in two network namespaces joined by a rate-limited veth pair (the namespaces and
-launch of benchmarks/dp_overlap.py), then once more unlimited; loopback without root. The three
+pp=2 ranks in two network namespaces joined by a rate-limited veth pair, then once more
+unlimited (two_ranks.py); loopback without root. The three
 schedules train the same model on the same batches, taking turns in every round. Measured
 bubble: the time a stage idles in the forward-backward part of the step (blocked in receives
 and send-waits, then waiting for the slowest stage to finish) over that part's time, averaged
@@ -20,11 +20,9 @@ import json
 import statistics
 import time
 from datetime import timedelta
-from pathlib import Path
 
-from dp_overlap import WORKER_TIMEOUT_S, link_parser, run_on_links
+from two_ranks import REPO, WORKER_TIMEOUT_S, add_worker_options, run_on_links
 
-REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b", 2)}  # name: (schedule, v)
 
 
@@ -129,15 +127,17 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    parser = link_parser(__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (m)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
+    add_worker_options(parser)
     args = parser.parse_args()
     if args.worker is not None:
         return worker(args)
-    results = run_on_links(args, script=__file__, prefix="pp")
+    results = run_on_links(__file__, "pp", args.rate_mbit, args)
     for label, r in results.items():
         for record in lines(label, r, args):
             print(json.dumps(record), flush=True)

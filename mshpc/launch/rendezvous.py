@@ -2,6 +2,11 @@
 
 MPI launches rendezvous over MPI itself (rank 0 picks a free port and broadcasts it), so
 no address or port has to be agreed in advance; Slurm launches derive both from the job.
+
+The store lives on rank 0. torch's store client sleeps about a second after each refused
+connection, and ranks routinely start before rank 0 listens (rank 0 is one process among many
+importing torch), so a start-up of many ranks paid whole seconds at random; the other ranks now
+poll the port every few milliseconds first and connect once it accepts (benchmarks/init_groups.py).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import dataclasses
 import logging
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,6 +28,7 @@ from mshpc.launch.env import LaunchEnv, check_world
 log = logging.getLogger(__name__)
 
 SLURM_PORT_BASE = 20000  # job-derived ports land in [20000, 40000)
+STORE_POLL_S = 0.01  # how often a rank looks for rank 0's store before connecting to it
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,29 @@ def _address(env: LaunchEnv) -> tuple[LaunchEnv, str, int]:
     return env, env.master_addr, env.master_port
 
 
+def wait_listening(addr: str, port: int, timeout_s: float) -> None:
+    """Return once something accepts TCP connections on addr:port (the probe hangs up at once)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise LaunchError(f"no rendezvous store answers on {addr}:{port} after {timeout_s:.0f} s "
+                                  f"({exc}); is rank 0 running?") from None
+            time.sleep(STORE_POLL_S)
+
+
+def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 serves the store; the others connect as soon as it listens. No rank waits for the
+    others here: the process group's own connections do that."""
+    if rank != 0:
+        wait_listening(addr, port, timeout_s)
+    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 def init_distributed(env: LaunchEnv, timeout_s: float = 600.0) -> DistInfo:
     """Create the default process group for this rank; every rank of the job must call it."""
     backend = pick_backend()
@@ -94,10 +124,8 @@ def init_distributed(env: LaunchEnv, timeout_s: float = 600.0) -> DistInfo:
     else:
         env, addr, port = _address(env)
         check_world(env, env.world_size)
-        dist.init_process_group(
-            backend, init_method=f"tcp://{addr}:{port}", rank=env.rank,
-            world_size=env.world_size, timeout=timeout,
-        )
+        store = connect_store(addr, port, env.rank, env.world_size, timeout_s)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     log.info("rank %d/%d on %s: %s via %s", env.rank, env.world_size, env.node, backend, env.launcher)
     return DistInfo(
         rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,

@@ -75,8 +75,8 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
     loss for the vocab-parallel logits."""
     chunks = parallel.tp_overlap_chunks if parallel.tp_overlap else 1
     embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "lm_head", None)
-    vocab = (embedding or head).weight.shape[0]
-    vocab_start = _part(vocab, group).start
+    table = embedding if embedding is not None else head  # a middle pipeline stage has neither
+    vocab_start = 0 if table is None else _part(table.weight.shape[0], group).start
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     if embedding is not None:
         model.tok_embeddings = VocabParallelEmbedding(_rows(embedding.weight, group), vocab_start, group)

@@ -20,23 +20,29 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mshpc.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mshpc.parallel import comm
 from mshpc.parallel.apply import apply_tp
 from mshpc.parallel.mesh import Mesh, MeshShape, build_mesh
 from mshpc.parallel.pipeline import TIED, build_pipeline, pipeline_train_step
 from mshpc.parallel.schedules import peak_live
 from rank_runner import run_ranks
-from reference_training import GRAD_CLIP, global_batch, optim_cfg, train_reference
+from single_rank import train_single_rank
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 GLOBAL_BATCH = 8
 MICRO_BATCHES = 4  # train.grad_accum: pp=2 with 2 virtual stages needs a multiple of 2
 STEPS = 3
+GRAD_CLIP = 0.05  # below these steps' gradient norms: clipping acts in every step
+
+
+def optim_cfg(name: str) -> OptimConfig:
+    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP, eps=1e-6)
 
 
 def batch(step: int) -> torch.Tensor:
-    return global_batch(TINY, GLOBAL_BATCH, step)
+    return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, TINY.seq_len + 1),
+                         generator=torch.Generator().manual_seed(100 + step))
 
 
 def config(world: int, pp: int, v: int, schedule: str, name: str, overlap: bool = True, tp: int = 1) -> Config:
@@ -44,7 +50,7 @@ def config(world: int, pp: int, v: int, schedule: str, name: str, overlap: bool 
     parallel = ParallelConfig(dp=dp, tp=tp, pp=pp, virtual_stages=v, pp_schedule=schedule, dp_overlap=overlap,
                               bucket_mb=16 / 1024)  # 16 KiB: several buckets per stage
     train = TrainConfig(micro_batch=GLOBAL_BATCH // dp // MICRO_BATCHES, grad_accum=MICRO_BATCHES)
-    return Config(model=TINY, parallel=parallel, optim=optim_cfg(name, eps=1e-6), train=train)
+    return Config(model=TINY, parallel=parallel, optim=optim_cfg(name), train=train)
 
 
 def reference_params(cfg: Config, mesh: Mesh, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -72,7 +78,7 @@ def train_case(rank: int, cfg: Config) -> dict:
     p2p = [r.op[:4] for r in comm.RECORDER.snapshot() if r.seq > before and r.op[:4] in ("send", "recv")]
     planned = [a.op.split("_")[0] for a in pipe.runner.plan if a.op.startswith(("send", "recv"))]
     pipe.engine.wait_params()
-    ref_model, _, ref_losses, ref_norms = train_reference(TINY, cfg.optim, STEPS, GLOBAL_BATCH)
+    ref_model, _, ref_losses, ref_norms = train_single_rank(TINY, cfg.optim, batch, STEPS)
     ref = reference_params(cfg, mesh, ref_model)
     mine = dict(pipe.model.named_parameters())
     tied = {n: mine[n].flatten().tolist() for n in TIED if n in mine}

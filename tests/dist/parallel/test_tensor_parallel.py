@@ -24,7 +24,7 @@ from mshpc.parallel import comm
 from mshpc.parallel.apply import Parallelized, parallelize
 from mshpc.parallel.mesh import MeshShape, build_mesh
 from rank_runner import run_ranks
-from reference_training import global_batch, train_reference
+from single_rank import train_single_rank
 
 # vocab 63: uneven vocab shards (31 + 32 rows); seq 32: 16 per tp rank, 2 chunks of 8
 TINY = ModelConfig(vocab_size=63, seq_len=32, n_layer=2, n_head=4, d_model=32)
@@ -52,7 +52,8 @@ def config(name: str, tp: int, dp: int) -> Config:
 
 
 def batch(step: int) -> torch.Tensor:
-    return global_batch(TINY, GLOBAL_BATCH, step)
+    return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, TINY.seq_len + 1),
+                         generator=torch.Generator().manual_seed(100 + step))
 
 
 def train_split(split: Parallelized, cfg: Config, dp_rank: int) -> tuple[list[float], list[float]]:
@@ -96,7 +97,7 @@ def cases(rank: int, world: int, tp: int) -> dict:
         torch.manual_seed(0)
         split = parallelize(GPT(cfg.model), mesh, cfg)
         losses, norms = train_split(split, cfg, mesh.coords.dp)
-        ref_model, _, ref_losses, ref_norms = train_reference(cfg.model, cfg.optim, STEPS, GLOBAL_BATCH)
+        ref_model, _, ref_losses, ref_norms = train_single_rank(cfg.model, cfg.optim, batch, STEPS)
         ref = dict(ref_model.named_parameters())
         params = dict(split.engine.model.named_parameters())
         assert params.keys() == ref.keys(), "tensor parallelism must keep the model's names"

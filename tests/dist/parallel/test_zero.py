@@ -12,26 +12,33 @@ import math
 import pytest
 import torch
 
-from mshpc.config import ModelConfig, ParallelConfig
+from mshpc.config import ModelConfig, OptimConfig, ParallelConfig
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel import comm
 from mshpc.parallel.zero import ZeroEngine, build_zero_engine
 from rank_runner import run_ranks
-from reference_training import GRAD_CLIP, global_batch, optim_cfg, train_reference
+from single_rank import train_single_rank
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 BUCKET_MB = 16 / 1024  # 16 KiB: 10 buckets for this model, so there is something to overlap
 GLOBAL_BATCH = 8  # sequences per step at every dp and accumulation
 STEPS = 3
+GRAD_CLIP = 0.05  # below the gradient norm of these steps: clipping is active in every case
 CASES = [(name, overlap, accum) for name in ("adamw", "lamb") for overlap in (True, False) for accum in (1, 2)]
 
 
+def optim_cfg(name: str) -> OptimConfig:
+    return OptimConfig(name=name, lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP)
+
+
 def batch(step: int) -> torch.Tensor:
-    return global_batch(TINY, GLOBAL_BATCH, step)
+    return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, TINY.seq_len + 1),
+                         generator=torch.Generator().manual_seed(100 + step))
 
 
 def reference(name: str, steps: int) -> tuple[GPT, torch.optim.Optimizer, list[float], list[float]]:
-    return train_reference(TINY, optim_cfg(name), steps, GLOBAL_BATCH)
+    """Single-rank training on the whole global batch: torch's clipping, the unsharded optimizer."""
+    return train_single_rank(TINY, optim_cfg(name), batch, steps)
 
 
 def engine_for(name: str, overlap: bool, world: int, seed: int = 0) -> ZeroEngine:

@@ -1,0 +1,138 @@
+"""Claim: mshpc's start-up (rendezvous + every 3D process group) stays flat as ranks grow, where
+the plain approach, every rank calling `new_group` for every group of the job, grows with the
+number of groups, and with torch's old barrier after each group (TORCH_DIST_INIT_BARRIER=1, the
+default before torch 2.3, what MegaScale sec. 3.5 removed) grows as groups x ranks.
+
+At each rank count (local gloo ranks, mesh tp x pp = 2 x 2, dp the rest) three contenders take
+turns within each round: mshpc (launch.rendezvous.init_distributed + parallel.mesh.build_mesh),
+plain (init_process_group with the default TCPStore, then a new_group per group of the job from
+every rank), and plain with the init barrier. Time runs from a common start, after every rank
+has imported torch (the import, ~1 s of CPU a rank, dominates start-up on few cores and is the
+same for all), to the last rank done.
+
+    .venv/bin/python benchmarks/init_groups.py [--ranks 8 16 32] [--rounds 3] [--tp 2] [--pp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mshpc.launch.rendezvous import free_port  # noqa: E402  (no torch import at module level)
+
+CONTENDERS = ("mshpc", "plain", "plain_with_barriers")
+TIMEOUT_S = 600
+
+
+def _mshpc(rank: int, world: int, port: int, shape) -> float:
+    from mshpc.launch.env import LaunchEnv
+    from mshpc.launch.rendezvous import init_distributed
+    from mshpc.parallel.mesh import build_mesh
+
+    env = LaunchEnv(launcher="env", rank=rank, world_size=world, local_rank=rank, local_world_size=world,
+                    node="localhost", master_addr="127.0.0.1", master_port=port, slurm=None, test_faults=None)
+    init_distributed(env, timeout_s=TIMEOUT_S)
+    done_init = time.time()
+    build_mesh(shape)
+    return done_init
+
+
+def _plain(rank: int, world: int, port: int, shape) -> float:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    done_init = time.time()
+    for groups in shape.all_groups().values():
+        for ranks in groups:
+            dist.new_group(list(ranks))  # every rank, every group, in the same order
+    return done_init
+
+
+def worker(rank: int, world: int, shape, schedule: list[tuple[str, int]], barrier, conn) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    for contender, port in schedule:
+        os.environ["TORCH_DIST_INIT_BARRIER"] = "1" if contender == "plain_with_barriers" else "0"
+        barrier.wait()  # a common start, every rank with torch imported
+        start = time.time()
+        done_init = (_mshpc if contender == "mshpc" else _plain)(rank, world, port, shape)
+        conn.send((start, done_init, time.time()))
+        dist.barrier()  # nobody tears down a store another rank still reads
+        dist.destroy_process_group()
+    conn.close()
+
+
+def measure(world: int, tp: int, pp: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Each contender's median over rounds of init_s and total_s, and its worst init_s, at
+    `world` ranks."""
+    from mshpc.parallel.mesh import MeshShape
+
+    shape = MeshShape(pp=pp, dp=world // (tp * pp), tp=tp)
+    schedule = [(c, free_port()) for _ in range(rounds) for c in CONTENDERS]
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(world)
+    pipes, procs = [], []
+    for rank in range(world):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=worker, args=(rank, world, shape, schedule, barrier, send), daemon=True)
+        proc.start()
+        pipes.append(recv)
+        procs.append(proc)
+    samples: dict[str, list[tuple[float, float]]] = {c: [] for c in CONTENDERS}
+    try:
+        for contender, _ in schedule:
+            times = [p.recv() for p in pipes]
+            start = min(t[0] for t in times)
+            samples[contender].append((max(t[1] for t in times) - start, max(t[2] for t in times) - start))
+    finally:
+        for proc in procs:
+            proc.join(TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+    groups = sum(len(g) for g in shape.all_groups().values())
+    return {c: {"init_s": statistics.median(s[0] for s in samples[c]), "worst_init_s": max(s[0] for s in samples[c]),
+                "total_s": statistics.median(s[1] for s in samples[c]), "groups": groups} for c in CONTENDERS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    args = parser.parse_args()
+    totals: dict[str, dict[int, float]] = {c: {} for c in CONTENDERS}
+    for world in args.ranks:
+        r = measure(world, args.tp, args.pp, args.rounds)
+        rounds = args.rounds
+        context = {"ranks": world, "tp": args.tp, "pp": args.pp, "dp": world // (args.tp * args.pp),
+                   "groups_in_job": r["plain"]["groups"], "new_group_calls_per_rank": {"mshpc": 5, "plain": r["plain"]["groups"]},
+                   "init_s": {c: round(r[c]["init_s"], 3) for c in CONTENDERS},
+                   "worst_init_s": {c: round(r[c]["worst_init_s"], 3) for c in CONTENDERS}, "rounds": rounds}
+        for baseline in ("plain", "plain_with_barriers"):
+            value, base = r["mshpc"]["total_s"], r[baseline]["total_s"]
+            print(json.dumps({"bench": "init_groups", "metric": f"init_and_3d_groups_vs_{baseline}_{world}_ranks",
+                              "value": round(value, 3), "unit": "s", "baseline": round(base, 3),
+                              "ratio": round(value / base, 3), **context}), flush=True)
+        for c in CONTENDERS:
+            totals[c][world] = r[c]["total_s"]
+    lo, hi = min(args.ranks), max(args.ranks)
+    print(json.dumps({"bench": "init_groups", "metric": f"growth_{lo}_to_{hi}_ranks", "unit": "x",
+                      **{c: round(totals[c][hi] / totals[c][lo], 2) for c in CONTENDERS}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
