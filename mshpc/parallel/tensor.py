@@ -65,10 +65,11 @@ def gather_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chun
     return (x_full if y_full is None else y_full.flatten(1, 2)), x_full
 
 
-def scatter_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chunks: int) -> torch.Tensor:
+def scatter_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chunks: int,
+                meanwhile: Callable[[], object] | None = None) -> torch.Tensor:
     """Collective over `group`: apply `fn` to the full-sequence x (b, s, ...) chunk by chunk and
-    reduce-scatter each result along the sequence as soon as it is computed. Returns this rank's
-    (b, s / tp, ...) of the sum over ranks."""
+    reduce-scatter each result along the sequence as soon as it is computed; run `meanwhile`
+    while the last ones travel. Returns this rank's (b, s / tp, ...) of the sum over ranks."""
     tp, (b, s) = dist.get_world_size(group), x.shape[:2]
     rows = x.unflatten(1, (tp, s // tp))  # (b, tp, s_l, ...)
     out: torch.Tensor | None = None
@@ -81,6 +82,8 @@ def scatter_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chu
         received = y.new_empty(send.shape[1:])  # (b, c, ...)
         pending.append((comm.reduce_scatter(received, send, group, async_op=True), received, lo, hi))
     assert out is not None
+    if meanwhile is not None:
+        meanwhile()
     for work, received, lo, hi in pending:
         _wait(work)
         out[:, lo:hi] = received
@@ -105,9 +108,10 @@ class _GatherLinear(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_full, weight = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = scatter_seq(dy, lambda t: t.matmul(weight), ctx.group, ctx.chunks)
-        dw = _rows(dy).t().matmul(_rows(x_full))  # (out_l, in): one GEMM over the whole sequence
-        return dx, dw, None, None
+        dw: list[torch.Tensor] = []  # (out_l, in): one GEMM over the whole sequence, while dx travels
+        dx = scatter_seq(dy, lambda t: t.matmul(weight), ctx.group, ctx.chunks,
+                         meanwhile=lambda: dw.append(_rows(dy).t().matmul(_rows(x_full))))
+        return dx, dw[0], None, None
 
 
 class _LinearScatter(torch.autograd.Function):
