@@ -94,24 +94,34 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Autocast's dtype where it is on, else x's. The GEMMs and their collectives both run in it:
+    under bf16 autocast the sequence all-gathers move half the bytes of fp32. These functions
+    cast for themselves because autocast does not reach a custom backward."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 class _GatherLinear(torch.autograd.Function):
     """y = all_gather_seq(x) @ W^T; backward: dx = reduce_scatter_seq(dy @ W), dW = dy^T x_full."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int) -> torch.Tensor:
-        y, x_full = gather_seq(x, lambda t: F.linear(t, weight), group, chunks)
+        dtype = _compute_dtype(x)
+        w = weight.to(dtype)
+        y, x_full = gather_seq(x.to(dtype), lambda t: F.linear(t, w), group, chunks)
         ctx.save_for_backward(x_full, weight)
-        ctx.group, ctx.chunks = group, chunks
+        ctx.group, ctx.chunks, ctx.x_dtype = group, chunks, x.dtype
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_full, weight = ctx.saved_tensors
-        dy = dy.contiguous()
+        dy, w = dy.contiguous().to(x_full.dtype), weight.to(x_full.dtype)
         dw: list[torch.Tensor] = []  # (out_l, in): one GEMM over the whole sequence, while dx travels
-        dx = scatter_seq(dy, lambda t: t.matmul(weight), ctx.group, ctx.chunks,
+        dx = scatter_seq(dy, lambda t: t.matmul(w), ctx.group, ctx.chunks,
                          meanwhile=lambda: dw.append(_rows(dy).t().matmul(_rows(x_full))))
-        return dx, dw[0], None, None
+        return dx.to(ctx.x_dtype), dw[0].to(weight.dtype), None, None
 
 
 class _LinearScatter(torch.autograd.Function):
@@ -120,16 +130,19 @@ class _LinearScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.chunks = group, chunks
-        return scatter_seq(x, lambda t: F.linear(t, weight), group, chunks)
+        dtype = _compute_dtype(x)
+        x_in, w = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x_in, weight)
+        ctx.group, ctx.chunks, ctx.x_dtype = group, chunks, x.dtype
+        return scatter_seq(x_in, lambda t: F.linear(t, w), group, chunks)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        dx, dy_full = gather_seq(dy.contiguous(), lambda t: t.matmul(weight), ctx.group, ctx.chunks)
+        w = weight.to(x.dtype)
+        dx, dy_full = gather_seq(dy.contiguous().to(x.dtype), lambda t: t.matmul(w), ctx.group, ctx.chunks)
         dw = _rows(dy_full).t().matmul(_rows(x))  # (out, in_l)
-        return dx, dw, None, None
+        return dx.to(ctx.x_dtype), dw.to(weight.dtype), None, None
 
 
 class _ScatterSum(torch.autograd.Function):
