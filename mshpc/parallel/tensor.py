@@ -65,10 +65,11 @@ def gather_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chun
     return (x_full if y_full is None else y_full.flatten(1, 2)), x_full
 
 
-def scatter_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chunks: int) -> torch.Tensor:
+def scatter_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chunks: int,
+                meanwhile: Callable[[], object] | None = None) -> torch.Tensor:
     """Collective over `group`: apply `fn` to the full-sequence x (b, s, ...) chunk by chunk and
-    reduce-scatter each result along the sequence as soon as it is computed. Returns this rank's
-    (b, s / tp, ...) of the sum over ranks."""
+    reduce-scatter each result along the sequence as soon as it is computed; run `meanwhile`
+    while the last ones travel. Returns this rank's (b, s / tp, ...) of the sum over ranks."""
     tp, (b, s) = dist.get_world_size(group), x.shape[:2]
     rows = x.unflatten(1, (tp, s // tp))  # (b, tp, s_l, ...)
     out: torch.Tensor | None = None
@@ -81,6 +82,8 @@ def scatter_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chu
         received = y.new_empty(send.shape[1:])  # (b, c, ...)
         pending.append((comm.reduce_scatter(received, send, group, async_op=True), received, lo, hi))
     assert out is not None
+    if meanwhile is not None:
+        meanwhile()
     for work, received, lo, hi in pending:
         _wait(work)
         out[:, lo:hi] = received
@@ -91,23 +94,34 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Autocast's dtype where it is on, else x's. The GEMMs and their collectives both run in it:
+    under bf16 autocast the sequence all-gathers move half the bytes of fp32. These functions
+    cast for themselves because autocast does not reach a custom backward."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 class _GatherLinear(torch.autograd.Function):
     """y = all_gather_seq(x) @ W^T; backward: dx = reduce_scatter_seq(dy @ W), dW = dy^T x_full."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int) -> torch.Tensor:
-        y, x_full = gather_seq(x, lambda t: F.linear(t, weight), group, chunks)
+        dtype = _compute_dtype(x)
+        w = weight.to(dtype)
+        y, x_full = gather_seq(x.to(dtype), lambda t: F.linear(t, w), group, chunks)
         ctx.save_for_backward(x_full, weight)
-        ctx.group, ctx.chunks = group, chunks
+        ctx.group, ctx.chunks, ctx.x_dtype = group, chunks, x.dtype
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x_full, weight = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = scatter_seq(dy, lambda t: t.matmul(weight), ctx.group, ctx.chunks)
-        dw = _rows(dy).t().matmul(_rows(x_full))  # (out_l, in): one GEMM over the whole sequence
-        return dx, dw, None, None
+        dy, w = dy.contiguous().to(x_full.dtype), weight.to(x_full.dtype)
+        dw: list[torch.Tensor] = []  # (out_l, in): one GEMM over the whole sequence, while dx travels
+        dx = scatter_seq(dy, lambda t: t.matmul(w), ctx.group, ctx.chunks,
+                         meanwhile=lambda: dw.append(_rows(dy).t().matmul(_rows(x_full))))
+        return dx.to(ctx.x_dtype), dw[0].to(weight.dtype), None, None
 
 
 class _LinearScatter(torch.autograd.Function):
@@ -116,16 +130,19 @@ class _LinearScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.group, ctx.chunks = group, chunks
-        return scatter_seq(x, lambda t: F.linear(t, weight), group, chunks)
+        dtype = _compute_dtype(x)
+        x_in, w = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x_in, weight)
+        ctx.group, ctx.chunks, ctx.x_dtype = group, chunks, x.dtype
+        return scatter_seq(x_in, lambda t: F.linear(t, w), group, chunks)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        dx, dy_full = gather_seq(dy.contiguous(), lambda t: t.matmul(weight), ctx.group, ctx.chunks)
+        w = weight.to(x.dtype)
+        dx, dy_full = gather_seq(dy.contiguous().to(x.dtype), lambda t: t.matmul(w), ctx.group, ctx.chunks)
         dw = _rows(dy_full).t().matmul(_rows(x))  # (out, in_l)
-        return dx, dw, None, None
+        return dx.to(ctx.x_dtype), dw.to(weight.dtype), None, None
 
 
 class _ScatterSum(torch.autograd.Function):
