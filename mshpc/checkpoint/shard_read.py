@@ -17,7 +17,7 @@ import mmap
 import os
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mshpc.checkpoint.h5_shard import ALIGN_BYTES, dataset_offsets, itemsize
@@ -41,7 +41,7 @@ class ReadStats:
     """What a reader took from the file system (broadcasts from other ranks not included)."""
 
     bytes_read: int = 0
-    entries_read: int = 0
+    entries: list[str] = field(default_factory=list)  # "file:dataset" of each entry read
 
 
 class ShardFiles:
@@ -133,7 +133,7 @@ def read_entries(files: ShardFiles, entries: list[TensorEntry], stats: ReadStats
             raise CheckpointError(f"{files.folder / e.file}:{e.dataset}: checksum mismatch for tensor "
                                   f"{e.name!r} (corrupt shard)")
     stats.bytes_read += sum(sizes)
-    stats.entries_read += len(entries)
+    stats.entries += [f"{e.file}:{e.dataset}" for e in entries]
     return [b[:n] for b, n in zip(buffers, sizes)]
 
 

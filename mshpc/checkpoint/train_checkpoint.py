@@ -149,7 +149,7 @@ class TrainCheckpointer:
             error = str(exc)
         load_for_group(reader, requests, self.dp_group, error)
         rng = stage_rng(reader, rng_names(reader, self.rank, same_world))
-        self._restored = {"bytes_read": reader.stats.bytes_read, "entries_read": reader.stats.entries_read,
+        self._restored = {"bytes_read": reader.stats.bytes_read, "entries_read": len(reader.stats.entries),
                           "bytes_received": reader.bytes_received}
 
         def install() -> None:
