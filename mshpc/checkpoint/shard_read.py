@@ -5,7 +5,7 @@ arrive (beside the reads, not after them).
 Why not h5py's per-dataset read, or one large read per dataset: measured on this project's VM
 disk, restoring 1 GiB cold (benchmarks/checkpoint.py), one 64 MiB O_DIRECT read at a time took
 ~1.2 s and the crc32 pass after it another ~0.6 s; four 16 MiB O_DIRECT reads in flight read the
-same file in ~0.8-1.0 s, and the checksum then hides behind them. O_DIRECT also spares the page
+same file in ~0.8-1.0 s, and the checksums (two entries at a time) then hide behind them. O_DIRECT also spares the page
 cache (the training data lives there) and a copy; where the file system refuses it (tmpfs) the
 same reads go through the page cache.
 """
@@ -26,6 +26,9 @@ from mshpc.errors import CheckpointError
 
 READ_CHUNK_BYTES = 16 * 2**20  # a multiple of ALIGN_BYTES
 READ_THREADS = 4  # reads in flight
+# crc32 runs at ~1.5 GB/s on one core here, slower than a fast parallel file system delivers:
+# two entries are checked at once.
+CHECKSUM_THREADS = 2
 
 
 def entry_nbytes(e: TensorEntry) -> int:
@@ -112,22 +115,22 @@ def read_entries(files: ShardFiles, entries: list[TensorEntry], stats: ReadStats
     and file of the first that is unreadable or corrupt."""
     sizes = [entry_nbytes(e) for e in entries]
     buffers = [memoryview(mmap.mmap(-1, _round_up(max(n, 1)))) for n in sizes]
-    chunks = [(i, lo, min(lo + READ_CHUNK_BYTES, n)) for i, n in enumerate(sizes)
-              for lo in range(0, n, READ_CHUNK_BYTES)]
     try:
         where = [(files.fds(e.file), files.offset(e)) for e in entries]
     except OSError as exc:
         raise CheckpointError(f"{files.folder}: unreadable shard ({exc})") from None
-    crcs = [0] * len(entries)
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mshpc-ckpt-read") as pool:
-        futures: list[Future[None]] = [
-            pool.submit(_read_range, where[i][0], buffers[i], lo, hi, where[i][1]) for i, lo, hi in chunks]
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mshpc-ckpt-read") as reads, \
+            ThreadPoolExecutor(CHECKSUM_THREADS, thread_name_prefix="mshpc-ckpt-crc") as sums:
+        # All reads queued in file order; each entry's checksum follows its chunks as they land.
+        chunks = [[(lo, hi, reads.submit(_read_range, where[i][0], buffers[i], lo, hi, where[i][1]))
+                   for lo in range(0, n, READ_CHUNK_BYTES) for hi in [min(lo + READ_CHUNK_BYTES, n)]]
+                  for i, n in enumerate(sizes)]
+        checks = [sums.submit(_checksum, buffers[i], chunks[i]) for i in range(len(entries))]
         try:
-            for (i, lo, hi), future in zip(chunks, futures):
-                _result(future, files.folder, entries[i])
-                crcs[i] = zlib.crc32(buffers[i][lo:hi], crcs[i])  # releases the GIL: beside the reads
+            crcs = [_result(check, files.folder, e) for check, e in zip(checks, entries)]
         finally:
-            pool.shutdown(cancel_futures=True)
+            sums.shutdown(cancel_futures=True)
+            reads.shutdown(cancel_futures=True)
     for e, crc in zip(entries, crcs):
         if crc != e.crc32:
             raise CheckpointError(f"{files.folder / e.file}:{e.dataset}: checksum mismatch for tensor "
@@ -137,8 +140,16 @@ def read_entries(files: ShardFiles, entries: list[TensorEntry], stats: ReadStats
     return [b[:n] for b, n in zip(buffers, sizes)]
 
 
-def _result(future: Future[None], folder: Path, e: TensorEntry) -> None:
+def _checksum(buffer: memoryview, chunks: list[tuple[int, int, Future[None]]]) -> int:
+    crc = 0
+    for lo, hi, read in chunks:
+        read.result()
+        crc = zlib.crc32(buffer[lo:hi], crc)  # releases the GIL: beside the reads and other sums
+    return crc
+
+
+def _result(future: Future[int], folder: Path, e: TensorEntry) -> int:
     try:
-        future.result()
+        return future.result()
     except OSError as exc:
         raise CheckpointError(f"{folder / e.file}:{e.dataset}: unreadable ({exc})") from None
