@@ -3,16 +3,27 @@
 One run, one state (>= 1 GiB of fp32 "parameters + Adam moments"), side by side:
 blocking time of mshpc's two-stage save vs torch.save vs torch.distributed.checkpoint (sync
 and async_save); mshpc's full persist throughput vs the disk's own sequential write bandwidth
-(dd, direct I/O, same size, same folder); restore time of each from a cold page cache.
+(dd, direct I/O, same size, same folder); restore time of each in a fresh process with none of
+its files in the page cache.
 
-    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--dir /tmp/mshpc-ckpt-bench]
+Cold cache, the same for every reader: before each restore the files it will read are fsynced
+and evicted with POSIX_FADV_DONTNEED (no root needed, and unlike drop_caches it leaves the other
+users of a shared machine their cache), and `fincore` confirms that none of their pages is
+resident (`resident_bytes` in the restore lines). Restores run in `--rounds` rounds, each
+starting with another reader, so that neither side is always the first to read after the
+writes; each line reports the median and every sample.
+
+    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 3] [--dir /tmp/mshpc-ckpt-bench]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -32,18 +43,28 @@ TENSOR_MB = 64  # per tensor, like one large weight matrix or its moment
 
 
 def make_state(gib: float) -> dict[str, torch.Tensor]:
-    n = max(3, round(gib * 1024 / TENSOR_MB))
+    """At least `gib` GiB: groups of (weight, exp_avg, exp_avg_sq) of TENSOR_MB each."""
+    groups = max(1, math.ceil(gib * 1024 / (3 * TENSOR_MB)))
     numel = TENSOR_MB * 2**20 // 4
-    return {f"{kind}/w{i}": torch.randn(numel) for i in range(n // 3) for kind in ("model", "exp_avg", "exp_avg_sq")}
+    return {f"{kind}/w{i}": torch.randn(numel) for i in range(groups) for kind in ("model", "exp_avg", "exp_avg_sq")}
 
 
-def drop_caches() -> None:
-    # Cold reads for every restore, or the second reader would be timed against RAM.
-    subprocess.run(["sync"], check=False)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError:
-        pass
+def evict(path: Path) -> int | None:
+    """Drop `path`'s files (a file or a folder's) from the page cache; return how many of their
+    bytes are still resident there (None where `fincore` is missing)."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    if shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *map(str, files)],
+                         check=True, capture_output=True, text=True).stdout
+    return sum(int(x) for x in out.split())
 
 
 def dd_write_gbps(folder: Path, nbytes: int) -> float:
@@ -71,7 +92,7 @@ def bench_mshpc(state: dict[str, torch.Tensor], root: Path) -> dict[str, float]:
     saver.wait()
     persist = time.perf_counter() - start
     return {"blocking_s": blocking, "first_blocking_s": first_blocking, "persist_s": persist,
-            "restore_s": restore_in_fresh_process("mshpc", step_dir(root, 2))}
+            "path": step_dir(root, 2)}
 
 
 def bench_torch_save(state: dict[str, torch.Tensor], folder: Path) -> dict[str, float]:
@@ -79,7 +100,7 @@ def bench_torch_save(state: dict[str, torch.Tensor], folder: Path) -> dict[str, 
     start = time.perf_counter()
     torch.save(state, path)
     blocking = time.perf_counter() - start
-    return {"blocking_s": blocking, "restore_s": restore_in_fresh_process("torch", path)}
+    return {"blocking_s": blocking, "path": path}
 
 
 def bench_dcp(state: dict[str, torch.Tensor], folder: Path) -> dict[str, float]:
@@ -92,15 +113,25 @@ def bench_dcp(state: dict[str, torch.Tensor], folder: Path) -> dict[str, float]:
     future.result()
     async_persist = time.perf_counter() - start
     return {"sync_s": sync_s, "async_blocking_s": async_blocking, "async_persist_s": async_persist,
-            "restore_s": restore_in_fresh_process("dcp", folder / "sync")}
+            "path": folder / "sync"}
 
 
-def restore_in_fresh_process(kind: str, path: Path) -> float:
+def restore_in_fresh_process(kind: str, path: Path) -> tuple[float, int | None]:
     """A restore happens after a restart: time it in a new process, from a cold page cache."""
-    drop_caches()
+    resident = evict(path)
     out = subprocess.run([sys.executable, __file__, "--restore", kind, str(path)], check=True,
                          capture_output=True, text=True)
-    return float(out.stdout.split()[-1])
+    return float(out.stdout.split()[-1]), resident
+
+
+def restore_rounds(paths: dict[str, Path], rounds: int) -> dict[str, list[tuple[float, int | None]]]:
+    """Every reader `rounds` times; round r starts with reader r (mod their number)."""
+    kinds = list(paths)
+    samples: dict[str, list[tuple[float, int | None]]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+            samples[kind].append(restore_in_fresh_process(kind, paths[kind]))
+    return samples
 
 
 def restore(kind: str, path: Path) -> float:
@@ -108,6 +139,7 @@ def restore(kind: str, path: Path) -> float:
     start = time.perf_counter()
     if kind == "mshpc":
         reader = CheckpointReader(path, read_manifest(path))
+        reader.load(reader.entries_for([reader.whole(name) for name in reader.names()]))  # as a resume does
         state = {name: reader.read_whole(name) for name in reader.names()}
         reader.close()
     elif kind == "torch":
@@ -120,14 +152,22 @@ def restore(kind: str, path: Path) -> float:
     return time.perf_counter() - start
 
 
-def line(metric: str, value: float, unit: str, baseline: float) -> str:
+def line(metric: str, value: float, unit: str, baseline: float, **extra: object) -> str:
     return json.dumps({"bench": "checkpoint", "metric": metric, "value": round(value, 4), "unit": unit,
-                       "baseline": round(baseline, 4), "ratio": round(value / baseline, 4)})
+                       "baseline": round(baseline, 4), "ratio": round(value / baseline, 4), **extra})
+
+
+def restore_line(baseline: str, ours: list[tuple[float, int | None]], theirs: list[tuple[float, int | None]]) -> str:
+    return line(f"restore_time_vs_{baseline}", statistics.median(t for t, _ in ours), "s",
+                statistics.median(t for t, _ in theirs),
+                samples=[round(t, 3) for t, _ in ours], baseline_samples=[round(t, 3) for t, _ in theirs],
+                resident_bytes=[r for _, r in ours], baseline_resident_bytes=[r for _, r in theirs])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
+    parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (at least)")
+    parser.add_argument("--rounds", type=int, default=3, help="restores of each kind")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/mshpc-ckpt-bench"))
     parser.add_argument("--restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,6 +184,8 @@ def main() -> None:
         ours = bench_mshpc(state, args.dir / "mshpc")
         plain = bench_torch_save(state, args.dir)
         ref = bench_dcp(state, args.dir / "dcp")
+        del state
+        restores = restore_rounds({"mshpc": ours["path"], "dcp": ref["path"], "torch": plain["path"]}, args.rounds)
     finally:
         dist.destroy_process_group()
         shutil.rmtree(args.dir, ignore_errors=True)
@@ -154,8 +196,8 @@ def main() -> None:
     print(line("blocking_time_vs_dcp_async_save", ours["blocking_s"], "s", ref["async_blocking_s"]))
     print(line("persist_throughput_vs_dd_direct_write", nbytes / ours["persist_s"] / 1e9, "GB/s", disk))
     print(line("persist_time_vs_dcp_async_save", ours["persist_s"], "s", ref["async_persist_s"]))
-    print(line("restore_time_vs_dcp_load", ours["restore_s"], "s", ref["restore_s"]))
-    print(line("restore_time_vs_torch_load", ours["restore_s"], "s", plain["restore_s"]))
+    print(restore_line("dcp_load", restores["mshpc"], restores["dcp"]))
+    print(restore_line("torch_load", restores["mshpc"], restores["torch"]))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import torch
 
 from cli_runner import mshpc, read_metrics, train_args
+from mshpc.checkpoint.h5_shard import write_shard
+from mshpc.checkpoint.manifest import Manifest, write_manifest
+from mshpc.checkpoint.tensor_slice import TensorSlice
 
 STEPS = 8
 CKPT = ["checkpoint.interval_steps=4", "checkpoint.keep=3", f"train.steps={STEPS}"]
@@ -30,3 +34,22 @@ def final_params(ckpt_root: Path) -> dict[str, np.ndarray]:
         with h5py.File(shard, "r") as f:
             out.update({k: f["model"][k][()] for k in f.get("model", {})})
     return out
+
+
+def sharded_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], n_shards: int,
+                       whole: dict[str, tuple[torch.Tensor, int]] | None = None) -> Manifest:
+    """Write each of `tensors` as n_shards flat slices, one shard file per slice index, like
+    ZeRO ranks would; each of `whole` (name -> (tensor, shard index)) goes whole into one shard."""
+    items: list[dict[str, TensorSlice]] = [{} for _ in range(n_shards)]
+    for name, full in tensors.items():
+        flat = full.reshape(-1)
+        bounds = [len(flat) * i // n_shards for i in range(n_shards + 1)]
+        for r in range(n_shards):
+            items[r][name] = TensorSlice(flat[bounds[r]:bounds[r + 1]].clone(), tuple(full.shape), bounds[r])
+    for name, (t, r) in (whole or {}).items():
+        items[r][name] = TensorSlice.whole(t)
+    entries = [e for r in range(n_shards) for e in write_shard(folder / f"shard-{r:05d}.h5", items[r])]
+    m = Manifest(step=3, config_hash="abc", layout={"dp": n_shards, "tp": 1, "pp": 1},
+                 tensors=tuple(entries), extras={"step": 3})
+    write_manifest(folder, m)
+    return m

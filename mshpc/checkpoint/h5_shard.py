@@ -8,7 +8,6 @@ bits with attribute `dtype = "bfloat16"`.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -57,10 +56,11 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
-    storage, torch_dtype = _CODEC[dtype]
-    t = torch.from_numpy(np.ascontiguousarray(a.view(storage) if a.dtype != storage else a))
-    return t.view(torch_dtype) if dtype == "bfloat16" else t
+def from_bytes(data: memoryview, dtype: str) -> torch.Tensor:
+    """A flat tensor over an entry's stored bytes, without a copy."""
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch_dtype(dtype))
+    return torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype(dtype))
 
 
 # HDF5 headers and object metadata per dataset, with room to spare (measured: ~1 KiB each).
@@ -82,19 +82,18 @@ def check_space(path: Path, items: dict[str, TensorSlice]) -> None:
                       f"{free / 2**20:.1f} MiB are free", str(path))
 
 
-def _reserve(f: h5py.File, name: str, data: np.ndarray) -> int | None:
-    """Create the dataset; small ones get their data now, large ones only their space: their
-    bytes are written by `_pwrite_all` with plain positioned writes, which skip libhdf5's
-    write path and release the GIL, so the checksum thread runs beside them."""
+def _create(f: h5py.File, name: str, data: np.ndarray) -> bool:
+    """Create the dataset; small ones get their data now (False), large ones only their space
+    (True): their bytes are written by `_pwrite_all` with plain positioned writes, which skip
+    libhdf5's write path and release the GIL, so the checksum thread runs beside them."""
     if data.nbytes < _DIRECT_MIN_BYTES:
         f.create_dataset(name, data=data)
-        return None
+        return False
     dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)  # a fixed file offset now...
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)  # ...without writing fill values first
-    offset = f.create_dataset(name, shape=data.shape, dtype=data.dtype, dcpl=dcpl).id.get_offset()
-    assert offset is not None, name
-    return offset
+    f.create_dataset(name, shape=data.shape, dtype=data.dtype, dcpl=dcpl)
+    return True
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
@@ -142,78 +141,52 @@ def write_shard(path: Path, items: dict[str, TensorSlice]) -> list[TensorEntry]:
         crcs = {name: pool.submit(zlib.crc32, a) for name, a in arrays.items()}  # beside the writes
         # Large datasets start on page boundaries, as O_DIRECT needs.
         with h5py.File(path, "w", alignment_threshold=_DIRECT_MIN_BYTES, alignment_interval=ALIGN_BYTES) as f:
-            offsets = {name: _reserve(f, name, a) for name, a in arrays.items()}
+            deferred = [name for name, a in arrays.items() if _create(f, name, a)]
+            offsets = {}
             for name, piece in items.items():
-                attrs = f[name].attrs
-                attrs["start"], attrs["global_shape"] = piece.start, list(piece.global_shape)
-                attrs["dtype"] = dtype_name(piece.tensor)
-        _write_data(path, [(arrays[n], off) for n, off in offsets.items() if off is not None])
+                dset = f[name]
+                dset.attrs["start"], dset.attrs["global_shape"] = piece.start, list(piece.global_shape)
+                dset.attrs["dtype"] = dtype_name(piece.tensor)
+                offsets[name] = dset.id.get_offset()  # None only for an empty dataset
+        _write_data(path, [(arrays[name], offsets[name]) for name in deferred])
         return [
             TensorEntry(name=name, global_shape=tuple(piece.global_shape), dtype=dtype_name(piece.tensor),
                         file=path.name, dataset=name, start=piece.start, numel=piece.tensor.numel(),
-                        crc32=crcs[name].result())
+                        crc32=crcs[name].result(), offset=offsets[name])
             for name, piece in items.items()
         ]
 
 
-class ShardReader:
-    """Reads and verifies entries from a checkpoint folder's shard files, keeping files open."""
+def dataset_offsets(path: Path) -> dict[str, int | None]:
+    """Every dataset of a shard and where its contiguous data starts (None: chunked, compact or
+    empty), from the file's own HDF5 metadata."""
+    out: dict[str, int | None] = {}
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._files: dict[str, h5py.File] = {}
-        self._direct: dict[str, int | None] = {}
+    def visit(name: str, obj: object) -> None:
+        if isinstance(obj, h5py.Dataset):
+            out[name] = obj.id.get_offset() if obj.chunks is None else None
 
-    def _file(self, name: str) -> h5py.File:
-        if name not in self._files:
-            path = self.folder / name
-            try:
-                self._files[name] = h5py.File(path, "r")
-            except (OSError, FileNotFoundError) as exc:
-                raise CheckpointError(f"{path}: cannot open shard ({exc})") from None
-        return self._files[name]
+    try:
+        with h5py.File(path, "r") as f:
+            f.visititems(visit)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: not a readable HDF5 shard ({exc})") from None
+    return out
 
-    def _direct_fd(self, name: str) -> int | None:
-        if name not in self._direct:
-            try:
-                self._direct[name] = os.open(self.folder / name, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-            except OSError:
-                self._direct[name] = None  # a file system without O_DIRECT: h5py's own reads
-        return self._direct[name]
 
-    def _read_data(self, e: TensorEntry) -> np.ndarray:
-        dset = self._file(e.file)[e.dataset]
-        offset = dset.id.get_offset()
-        nbytes = e.numel * itemsize(e.dtype)
-        fd = self._direct_fd(e.file) if offset is not None and offset % ALIGN_BYTES == 0 else None
-        if fd is None or nbytes < _DIRECT_MIN_BYTES or dset.chunks is not None:
-            return np.ascontiguousarray(dset[()]).reshape(-1)
-        # One large O_DIRECT read into page-aligned memory: ~2x the page-cache path when cold.
-        buf = mmap.mmap(-1, -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES)
-        view, done = memoryview(buf), 0
-        while done < nbytes:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise OSError(errno.EIO, f"shard ends {nbytes - done} bytes early")
-            done += got
-        return np.frombuffer(buf, dtype=_CODEC[e.dtype][0], count=e.numel)
-
-    def read(self, e: TensorEntry) -> torch.Tensor:
-        """The entry's elements as a flat tensor, after checking its checksum."""
-        where = f"{self.folder / e.file}:{e.dataset}"
-        try:
-            data = self._read_data(e)
-        except (KeyError, OSError) as exc:
-            raise CheckpointError(f"{where}: unreadable ({exc})") from None
-        if data.size != e.numel or zlib.crc32(data) != e.crc32:
-            raise CheckpointError(f"{where}: checksum mismatch for tensor {e.name!r} (corrupt shard)")
-        return from_numpy(data, e.dtype)
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        for fd in self._direct.values():
-            if fd is not None:
-                os.close(fd)
-        self._files.clear()
-        self._direct.clear()
+def check_datasets(path: Path, entries: list[TensorEntry]) -> None:
+    """The shard's HDF5 metadata must describe what the manifest says: each entry a dataset of
+    its size and storage dtype whose data starts at the recorded offset."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: not a readable HDF5 shard ({exc})") from None
+    with f:
+        for e in entries:
+            dset = f.get(e.dataset)
+            if not isinstance(dset, h5py.Dataset) or dset.size != e.numel or dset.dtype != _CODEC[e.dtype][0]:
+                raise CheckpointError(f"{path}:{e.dataset}: the HDF5 dataset does not match the manifest's "
+                                      f"{e.numel} x {e.dtype} tensor {e.name!r}")
+            if e.offset is not None and e.numel and dset.id.get_offset() != e.offset:
+                raise CheckpointError(f"{path}:{e.dataset}: HDF5 puts its data at {dset.id.get_offset()}, "
+                                      f"the manifest at {e.offset}")

@@ -5,10 +5,13 @@ checksum of its bytes. Plain JSON, written last: a folder without one is not a c
      "layout": {"dp": 2, "tp": 1, "pp": 1}, "created_unix": 1764000000.0,
      "tensors": [{"name": "model/layers.0.attn.qkv.weight", "global_shape": [768, 256],
                   "dtype": "float32", "file": "shard-00000.h5", "dataset": "model/layers.0...",
-                  "start": 0, "numel": 196608, "crc32": 123456}, ...],
+                  "start": 0, "numel": 196608, "crc32": 123456, "offset": 8192}, ...],
      "extras": {...}}      # JSON-only state: scheduler, data position, per-rank notes
 
-A tensor is a list of entries whose flat ranges [start, start + numel) tile it.
+A tensor is a list of entries whose flat ranges [start, start + numel) tile it. `offset` is where
+the dataset's contiguous bytes start in its shard file (what HDF5's own metadata says too), so a
+restore reads them with large parallel reads and no rank needs to parse another's HDF5 headers;
+manifests written before it existed lack it, and the reader asks h5py instead.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class TensorEntry:
     start: int
     numel: int
     crc32: int
+    offset: int | None = None  # byte offset of the dataset's data in `file`
 
     @property
     def stop(self) -> int:
@@ -78,19 +82,33 @@ def _entry(raw: dict[str, Any]) -> TensorEntry:
         name=str(raw["name"]), global_shape=tuple(int(d) for d in raw["global_shape"]),
         dtype=str(raw["dtype"]), file=str(raw["file"]), dataset=str(raw["dataset"]),
         start=int(raw["start"]), numel=int(raw["numel"]), crc32=int(raw["crc32"]),
+        offset=None if raw.get("offset") is None else int(raw["offset"]),
     )
 
 
 def read_manifest(folder: Path) -> Manifest:
     """Parse and check a manifest; any problem is a one-line CheckpointError naming the file."""
+    return parse_manifest(folder, read_manifest_text(folder))
+
+
+def read_manifest_text(folder: Path) -> str:
     path = folder / MANIFEST_FILE
     try:
-        raw = json.loads(path.read_text())
+        return path.read_text()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (an incomplete checkpoint)") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable ({exc})") from None
-    if raw.get("format") != FORMAT or raw.get("version") != VERSION:
+
+
+def parse_manifest(folder: Path, text: str) -> Manifest:
+    """The manifest of `folder` from its text (read here or by another rank)."""
+    path = folder / MANIFEST_FILE
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
         raise CheckpointError(f"{path}: not an {FORMAT} v{VERSION} manifest")
     try:
         m = Manifest(

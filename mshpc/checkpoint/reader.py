@@ -3,24 +3,34 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from mshpc.checkpoint.h5_shard import ShardReader, torch_dtype
+from mshpc.checkpoint.h5_shard import check_datasets, from_bytes, torch_dtype
 from mshpc.checkpoint.manifest import Manifest, TensorEntry
+from mshpc.checkpoint.shard_read import ReadStats, ShardFiles, entry_nbytes, read_entries
 from mshpc.errors import CheckpointError
+
+# (tensor name, first flat element, element count): a range of a global tensor someone needs.
+Request = tuple[str, int, int]
+
+VERIFY_BATCH_BYTES = 2**30  # what `verify_all` holds in memory at once
 
 
 class CheckpointReader:
-    """A `SliceReader` over one checkpoint folder; each entry is read and verified once."""
+    """A `SliceReader` over one checkpoint folder. Entries are read and verified in batches
+    (`load`) or on first use, once each; `stats` counts what this reader took from the files."""
 
     def __init__(self, folder: Path, manifest: Manifest) -> None:
         self.folder = folder
         self.manifest = manifest
+        self.stats = ReadStats()
+        self.bytes_received = 0  # entries handed over by `put` (another rank read them)
         self._entries = manifest.by_name()
-        self._shards = ShardReader(folder)
-        self._cache: dict[tuple[str, int], torch.Tensor] = {}
+        self._files = ShardFiles(folder)
+        self._cache: dict[TensorEntry, torch.Tensor] = {}
 
     def names(self, prefix: str = "") -> list[str]:
         return sorted(n for n in self._entries if n.startswith(prefix))
@@ -31,41 +41,81 @@ class CheckpointReader:
     def dtype(self, name: str) -> torch.dtype:
         return torch_dtype(self._entries[self._require(name)][0].dtype)
 
+    def whole(self, name: str) -> Request:
+        return (name, 0, math.prod(self.global_shape(name)))
+
     def _require(self, name: str) -> str:
         if name not in self._entries:
             raise CheckpointError(f"{self.folder}: has no tensor {name!r} (does it fit this model?)")
         return name
 
-    def _entry_data(self, e: TensorEntry) -> torch.Tensor:
-        key = (e.name, e.start)
-        if key not in self._cache:
-            self._cache[key] = self._shards.read(e)
-        return self._cache[key]
+    def entries_for(self, requests: list[Request]) -> list[TensorEntry]:
+        """The entries holding any element of `requests`, each once, in file order."""
+        found: set[TensorEntry] = set()
+        for name, start, numel in requests:
+            found.update(e for e in self._entries[self._require(name)] if e.start < start + numel and start < e.stop)
+        return sorted(found, key=lambda e: (e.file, e.offset or 0, e.dataset))
+
+    def load(self, entries: list[TensorEntry]) -> None:
+        """Read and verify those of `entries` not held yet, all in one batch of parallel reads."""
+        missing = [e for e in entries if e not in self._cache]
+        for e, data in zip(missing, read_entries(self._files, missing, self.stats)):
+            self._cache[e] = from_bytes(data, e.dtype)
+
+    def raw(self, e: TensorEntry) -> torch.Tensor:
+        """A held entry's bytes, as uint8 (what a broadcast sends)."""
+        return self._cache[e].view(torch.uint8)
+
+    def put(self, e: TensorEntry, data: torch.Tensor) -> None:
+        """Hold an entry another rank read and verified: its bytes as uint8."""
+        assert data.numel() == entry_nbytes(e), (e.name, data.numel())
+        self._cache[e] = data.view(torch_dtype(e.dtype))
+        self.bytes_received += data.numel()
 
     def read(self, name: str, start: int, numel: int) -> torch.Tensor:
         """Flat elements [start, start + numel) of tensor `name`, from the entries that hold them."""
+        entries = self.entries_for([(name, start, numel)])
+        self.load(entries)
         parts = []
-        for e in sorted(self._entries[self._require(name)], key=lambda e: e.start):
+        for e in sorted(entries, key=lambda e: e.start):
             lo, hi = max(start, e.start), min(start + numel, e.stop)
-            if lo < hi:
-                parts.append(self._entry_data(e)[lo - e.start: hi - e.start])
+            parts.append(self._cache[e][lo - e.start: hi - e.start])
+        if not parts:
+            return torch.empty(0, dtype=self.dtype(name))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         assert out.numel() == numel, (name, start, numel)
         return out
 
     def read_whole(self, name: str) -> torch.Tensor:
         shape = self.global_shape(name)
-        return self.read(name, 0, math.prod(shape)).reshape(shape)
+        return self.read(*self.whole(name)).reshape(shape)
 
     def verify_all(self) -> int:
-        """Read and check every entry; return the bytes verified."""
+        """Read and check every entry, and that each shard's HDF5 metadata agrees with the
+        manifest; return the bytes verified. Nothing stays held."""
+        by_file: dict[str, list[TensorEntry]] = defaultdict(list)
+        for e in self.manifest.tensors:
+            by_file[e.file].append(e)
         total = 0
-        for entries in self._entries.values():
-            for e in entries:
-                t = self._shards.read(e)
-                total += t.numel() * t.element_size()
+        for file, entries in sorted(by_file.items()):
+            check_datasets(self.folder / file, entries)
+            for batch in _batches(entries, VERIFY_BATCH_BYTES):
+                total += sum(len(b) for b in read_entries(self._files, batch, self.stats))
         return total
 
     def close(self) -> None:
-        self._shards.close()
+        self._files.close()
         self._cache.clear()
+
+
+def _batches(entries: list[TensorEntry], max_bytes: int) -> list[list[TensorEntry]]:
+    """Consecutive runs of `entries` of at most `max_bytes` each (or one entry, if larger)."""
+    out: list[list[TensorEntry]] = [[]]
+    size = 0
+    for e in entries:
+        if out[-1] and size + entry_nbytes(e) > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(e)
+        size += entry_nbytes(e)
+    return out

@@ -1,5 +1,6 @@
 """Resume: pick the newest checkpoint that verifies, falling back to older ones, with every
-rank agreeing on which one (a rank that found corruption tells the others)."""
+rank agreeing on which one (a rank that found corruption tells the others). Rank 0 alone reads
+each manifest and broadcasts it; the shards are read as group_read.py describes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mshpc.checkpoint.manifest import Manifest, read_manifest
+from mshpc.checkpoint.manifest import Manifest, parse_manifest, read_manifest_text
 from mshpc.checkpoint.paths import committed_steps, latest_step, step_dir
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.errors import CheckpointError
@@ -17,8 +18,9 @@ from mshpc.parallel import comm
 
 log = logging.getLogger(__name__)
 
-# stage(reader) reads and verifies what this rank needs, changing nothing, and returns the
-# function that installs it (broadcasts included); it raises CheckpointError on corruption.
+# stage(reader), collective over all ranks, reads and verifies what this rank needs (sharing
+# the reads within its dp group), changing nothing, and returns the function that installs it;
+# it raises CheckpointError on corruption, on every rank of a dp group alike.
 Stage = Callable[[CheckpointReader], Callable[[], None]]
 
 
@@ -32,10 +34,26 @@ def candidates(root: Path) -> list[Path]:
     return [step_dir(root, s) for s in steps]
 
 
-def _try(folder: Path, stage: Stage) -> tuple[Manifest | None, CheckpointReader | None, Callable[[], None] | None, str | None]:
+def _shared_manifest(folder: Path, group: dist.ProcessGroup) -> Manifest:
+    """Collective over `group`: the manifest of `folder`, read from the file system by the
+    group's first rank only."""
+    text, error = None, None
+    if dist.get_rank(group) == 0:
+        try:
+            text = read_manifest_text(folder)
+        except CheckpointError as exc:
+            error = str(exc)
+    got = comm.broadcast_json({"text": text, "error": error}, src=dist.get_global_rank(group, 0), group=group)
+    if got["error"]:
+        raise CheckpointError(got["error"])
+    return parse_manifest(folder, got["text"])
+
+
+def _try(folder: Path, stage: Stage, group: dist.ProcessGroup
+         ) -> tuple[Manifest | None, CheckpointReader | None, Callable[[], None] | None, str | None]:
     reader = None
     try:
-        manifest = read_manifest(folder)
+        manifest = _shared_manifest(folder, group)
         reader = CheckpointReader(folder, manifest)
         return manifest, reader, stage(reader), None
     except CheckpointError as exc:
@@ -50,7 +68,7 @@ def resume_from(folders: list[Path], stage: Stage, group: dist.ProcessGroup) -> 
     folders = [Path(p) for p in comm.all_gather_json([str(f) for f in folders], group=group)[0]]
     problems = []
     for folder in folders:
-        manifest, reader, install, error = _try(folder, stage)
+        manifest, reader, install, error = _try(folder, stage, group)
         errors = [e for e in comm.all_gather_json(error, group=group) if e]
         if errors:
             if dist.get_rank(group) == 0:  # one voice for the whole job

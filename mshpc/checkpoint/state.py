@@ -30,12 +30,15 @@ def rng_slices(rank: int) -> dict[str, TensorSlice]:
     return out
 
 
-def stage_rng(reader: CheckpointReader, rank: int, same_world: bool) -> dict[str, torch.Tensor]:
-    """This rank's own generators. At another world size the ranks no longer correspond, so
-    the generators keep their fresh seeding."""
+def rng_names(reader: CheckpointReader, rank: int, same_world: bool) -> list[str]:
+    """This rank's own generators in the checkpoint. At another world size the ranks no longer
+    correspond, so the generators keep their fresh seeding."""
     if not same_world:
-        return {}
-    names = [n for n in (f"rng/cpu/rank-{rank}", f"rng/cuda/rank-{rank}") if n in reader.names("rng/")]
+        return []
+    return [n for n in (f"rng/cpu/rank-{rank}", f"rng/cuda/rank-{rank}") if n in reader.names("rng/")]
+
+
+def stage_rng(reader: CheckpointReader, names: list[str]) -> dict[str, torch.Tensor]:
     return {n: reader.read_whole(n) for n in names}
 
 

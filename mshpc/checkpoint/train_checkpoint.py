@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,21 +11,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mshpc.checkpoint.group_read import load_for_group
 from mshpc.checkpoint.paths import remove_stale_tmp
-from mshpc.checkpoint.reader import CheckpointReader
+from mshpc.checkpoint.reader import CheckpointReader, Request
 from mshpc.checkpoint.restore import candidates, resume_from
 from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
-from mshpc.checkpoint.state import apply_rng, model_slices, rng_slices, stage_rng
-from mshpc.config import Config, config_hash
+from mshpc.checkpoint.state import apply_rng, model_slices, rng_names, rng_slices, stage_rng
+from mshpc.config import Config, ParallelConfig, config_hash
 from mshpc.errors import CheckpointError
+from mshpc.events import append_event
+from mshpc.parallel import comm
+from mshpc.parallel.mesh import Coords, MeshShape
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.parallel.zero import ZeroEngine
+from mshpc.run_dir import run_path
 
 log = logging.getLogger(__name__)
 
 
 def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def build_dp_group(p: ParallelConfig, world: dist.ProcessGroup) -> dist.ProcessGroup:
+    """Collective over the world: a gloo group of this rank and its data-parallel peers (the
+    ranks with its pp and tp coordinates); the world itself when there is no tp or pp."""
+    if p.tp == p.pp == 1:
+        return world
+    mesh = MeshShape(pp=p.pp, dp=p.dp, tp=p.tp)
+    groups = [[mesh.rank(Coords(pp=pp, dp=dp, tp=tp)) for dp in range(p.dp)]
+              for pp in range(p.pp) for tp in range(p.tp)]
+    mine, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+    return mine
 
 
 class TrainCheckpointer:
@@ -37,10 +55,12 @@ class TrainCheckpointer:
         self.engine, self.optimizer, self.scheduler = engine, engine.optimizer, scheduler
         # A CPU group of its own: the saver's thread talks on it while the loop uses the default one.
         self.group = dist.new_group(backend="gloo")
+        self.dp_group = build_dp_group(cfg.parallel, self.group)  # restore shares reads within it
         p = cfg.parallel
         target = SaveTarget(root=root, keep=cfg.checkpoint.keep, config_hash=config_hash(cfg),
                             layout={"dp": p.dp, "tp": p.tp, "pp": p.pp})
         self.saver = CheckpointSaver(target, rank, self.group, cfg.checkpoint.async_save, before_commit)
+        self._restored: dict[str, int] = {}  # what the last restore's stage read and received
 
     # ---------------------------------------------------------------- save
 
@@ -93,30 +113,49 @@ class TrainCheckpointer:
             folders = [Path(mode)]
             if not folders[0].is_dir():
                 raise CheckpointError(f"train.resume={mode!r}: no such checkpoint folder (or use 'auto'/'never')")
+        start = time.perf_counter()
         manifest = resume_from(folders, self._stage, self.group)
         if manifest is None:
             return 0
-        log.info("resumed from step %d (%s)", manifest.step, manifest.layout)
+        self._report_restore(manifest.step, time.perf_counter() - start)
         return manifest.step
 
-    def _stage(self, reader: CheckpointReader) -> Callable[[], None]:
-        """Read and verify this rank's own shard of the state (1/dp of it: no two ranks read the
-        same bytes) into the reader's cache, so installing it cannot fail half-way."""
+    def _requests(self, reader: CheckpointReader, same_world: bool) -> list[Request]:
+        """What this rank needs: its own 1/dp range of the masters and optimizer state, the
+        step counter and (at the same world size) its RNG states."""
         tp = reader.manifest.layout.get("tp", 1)
         if tp != self.cfg.parallel.tp:
             # tp shards are saved per tp rank (`<name>@tp<r>`), not as slices of the whole tensor
             raise CheckpointError(f"{reader.folder} was written at parallel.tp={tp}; resume it at "
                                   f"parallel.tp={tp} (this run has {self.cfg.parallel.tp})")
+        out: list[Request] = []
         for piece in self.engine.pieces:
             shape = reader.global_shape(f"master/{piece.key}")
             if shape != piece.shape:
                 raise CheckpointError(f"{reader.folder}: master/{piece.key} has shape {shape}, "
                                       f"the model {piece.shape}")
             for prefix in ("master", *(f"optim.{k}" for k in STATE_KEYS)):
-                reader.read(f"{prefix}/{piece.key}", piece.start, piece.tensor.numel())
-        reader.read("optim.step", 0, 1)
+                out.append((f"{prefix}/{piece.key}", piece.start, piece.tensor.numel()))
+        out.append(("optim.step", 0, 1))
+        out += [reader.whole(n) for n in rng_names(reader, self.rank, same_world)]
+        reader.entries_for(out)  # an unknown name fails here, before any collective
+        return out
+
+    def _stage(self, reader: CheckpointReader) -> Callable[[], None]:
+        """Collective over all ranks: read and verify what this rank needs into the reader's
+        cache, each byte read by one rank of its dp group (group_read.py), so installing it
+        cannot fail half-way."""
         extras = reader.manifest.extras
-        rng = stage_rng(reader, self.rank, same_world=extras.get("world_size") == self.world_size)
+        same_world = extras.get("world_size") == self.world_size
+        requests, error = [], None
+        try:
+            requests = self._requests(reader, same_world)
+        except CheckpointError as exc:
+            error = str(exc)
+        load_for_group(reader, requests, self.dp_group, error)
+        rng = stage_rng(reader, rng_names(reader, self.rank, same_world))
+        self._restored = {"bytes_read": reader.stats.bytes_read, "entries_read": len(reader.stats.entries),
+                          "bytes_received": reader.bytes_received}
 
         def install() -> None:
             self.engine.load_state_slices(reader.read)  # collective over dp: re-gathers the weights
@@ -130,3 +169,15 @@ class TrainCheckpointer:
                             self._data_position())
 
         return install
+
+    def _report_restore(self, step: int, seconds: float) -> None:
+        """Collective over all ranks: rank 0 logs the restore and appends one event with what
+        each rank read from the file system and received from its dp peers."""
+        ranks = comm.all_gather_json(self._restored, group=self.group)
+        if self.rank != 0:
+            return
+        fields = {key: [r[key] for r in ranks] for key in ranks[0]}
+        append_event(run_path(self.cfg), "checkpoint_restore", step=step, seconds=round(seconds, 3), **fields)
+        log.info("resumed from step %d in %.1f s: %.1f MiB read by %d ranks, %.1f MiB broadcast",
+                 step, seconds, sum(fields["bytes_read"]) / 2**20, sum(1 for b in fields["bytes_read"] if b),
+                 sum(fields["bytes_received"]) / 2**20)

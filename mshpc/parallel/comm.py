@@ -228,3 +228,16 @@ def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[
     dist.all_gather(gathered, padded, group=group)
     return [json.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes)]
 
+
+
+def broadcast_json(value: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
+    """Collective over `group`: global rank `src`'s JSON-able `value` on every rank (the others
+    pass anything, e.g. None). JSON, not pickle; the group must be a CPU (gloo) one."""
+    payload = json.dumps(value).encode() if dist.get_rank() == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    broadcast(size, src, group=group)
+    data = torch.zeros(int(size.item()), dtype=torch.uint8)
+    if payload:
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    broadcast(data, src, group=group)
+    return json.loads(data.numpy().tobytes())

@@ -4,30 +4,15 @@ import json
 import pytest
 import torch
 
-from mshpc.checkpoint.h5_shard import write_shard
-from mshpc.checkpoint.manifest import Manifest, read_manifest, write_manifest
+from ckpt_runs import sharded_checkpoint
+from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.reader import CheckpointReader
-from mshpc.checkpoint.tensor_slice import TensorSlice
 from mshpc.errors import CheckpointError
-
-
-def sharded_checkpoint(folder, full, n_shards):
-    """Write `full` as n_shards flat slices, one shard file each, like ZeRO ranks would."""
-    flat = full.reshape(-1)
-    bounds = [len(flat) * i // n_shards for i in range(n_shards + 1)]
-    entries = []
-    for r in range(n_shards):
-        piece = TensorSlice(flat[bounds[r]:bounds[r + 1]].clone(), tuple(full.shape), bounds[r])
-        entries += write_shard(folder / f"shard-{r:05d}.h5", {"optim.exp_avg/w": piece})
-    m = Manifest(step=3, config_hash="abc", layout={"dp": n_shards, "tp": 1, "pp": 1},
-                 tensors=tuple(entries), extras={"step": 3})
-    write_manifest(folder, m)
-    return m
 
 
 def test_reader_reshards_any_range(tmp_path):
     full = torch.arange(30, dtype=torch.float32).reshape(5, 6)
-    sharded_checkpoint(tmp_path, full, n_shards=3)
+    sharded_checkpoint(tmp_path, {"optim.exp_avg/w": full}, n_shards=3)
     reader = CheckpointReader(tmp_path, read_manifest(tmp_path))
     assert torch.equal(reader.read_whole("optim.exp_avg/w"), full)
     # a dp=4 rank's range crosses the dp=3 shard boundaries
@@ -38,7 +23,7 @@ def test_reader_reshards_any_range(tmp_path):
 
 
 def test_manifest_round_trip_and_tiling_errors(tmp_path):
-    m = sharded_checkpoint(tmp_path, torch.zeros(4, 4), n_shards=2)
+    m = sharded_checkpoint(tmp_path, {"optim.exp_avg/w": torch.zeros(4, 4)}, n_shards=2)
     assert read_manifest(tmp_path) == dataclasses.replace(m, created_unix=read_manifest(tmp_path).created_unix)
     raw = json.loads((tmp_path / "manifest.json").read_text())
     raw["tensors"] = raw["tensors"][:1]
