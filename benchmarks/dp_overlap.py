@@ -2,9 +2,10 @@
 link its step with overlap takes <= 0.8x its step without, and <= 1.0x torch DDP's on the same
 model and batch, while each rank holds ~1/dp of DDP's optimizer memory.
 
-The two ranks run in two network namespaces joined by a veth pair, with a `tc` token-bucket
-rate limit on each end (addresses on that private link only: nothing leaves the machine); then
-once more with the limit removed. Without root or iproute2, it says so and uses loopback.
+The two ranks run in two network namespaces, each linked by a veth pair to a private bridge
+(mshpc/launch/netns.py), with a `tc` token-bucket rate limit on each node's link (addresses on
+that private bridge only: nothing leaves the machine); then once more with the limit removed.
+Without root or iproute2, it says so and uses loopback.
 
     .venv/bin/python benchmarks/dp_overlap.py [--rate-mbit 1000] [--micro-batch 4]
         [--bucket-mb 1] [--rounds 6] [--steps 3]
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
 import subprocess
@@ -25,54 +25,14 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from mshpc.launch.netns import Fabric, why_unavailable
+
 REPO = Path(__file__).resolve().parents[1]
-ADDRS = ("10.77.0.1", "10.77.0.2")  # the private veth link between the two namespaces
 PORT = 29500  # free by construction: the namespaces are new
 WORKER_TIMEOUT_S = 600
 
 
 # ---------------------------------------------------------------- the link
-
-
-class Link:
-    """Two namespaces joined by a veth pair; `set_rate` puts a tbf limit on both ends."""
-
-    def __init__(self) -> None:
-        tag = os.getpid() % 100000
-        self.ns = (f"mshpc-dp{tag}a", f"mshpc-dp{tag}b")
-        self.dev = (f"mdp{tag}a", f"mdp{tag}b")  # interface names: 15 characters at most
-
-    def __enter__(self) -> Link:
-        try:
-            for ns in self.ns:
-                _ip("netns", "add", ns)
-            _ip("link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-            for ns, dev, addr in zip(self.ns, self.dev, ADDRS):
-                _ip("link", "set", dev, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-                _ip("-n", ns, "link", "set", dev, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        for ns in self.ns:  # deleting a namespace deletes its end of the veth, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-    def set_rate(self, rate_mbit: float | None, queue_ms: float = 10.0) -> None:
-        for ns, dev in zip(self.ns, self.dev):
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
-                           capture_output=True)  # absent the first time
-            if rate_mbit is not None:
-                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                                "rate", f"{rate_mbit}mbit", "burst", "256kb", "latency", f"{queue_ms}ms"],
-                               check=True, capture_output=True)
-
-    def prefix(self, rank: int) -> tuple[list[str], dict[str, str]]:
-        # gloo must use the veth: the host name resolves to an address the namespace cannot reach
-        return ["ip", "netns", "exec", self.ns[rank]], {"GLOO_SOCKET_IFNAME": self.dev[rank]}
 
 
 class Loopback:
@@ -82,18 +42,7 @@ class Loopback:
         return [], {"GLOO_SOCKET_IFNAME": "lo"}
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
-def why_no_namespaces() -> str | None:
-    if os.geteuid() != 0:
-        return "not root"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    return f"{' and '.join(missing)} not installed (apt-get install -y iproute2)" if missing else None
-
-
-def run_pair(link: Link | Loopback, addr: str, port: int, args: argparse.Namespace) -> dict:
+def run_pair(link: Fabric | Loopback, addr: str, port: int, args: argparse.Namespace) -> dict:
     """Start both ranks, wait for them, return rank 0's measurements."""
     procs = []
     for rank in range(2):
@@ -279,12 +228,13 @@ def main() -> None:
     if args.worker is not None:
         return worker(args)
     results = {}
-    reason = why_no_namespaces()
+    reason = why_unavailable()
     if reason is None:
-        with Link() as link:
+        with Fabric("mdp", 2) as link:
             for label, rate in ((f"{args.rate_mbit:g}mbit", args.rate_mbit), ("unlimited", None)):
-                link.set_rate(rate)
-                results[label] = run_pair(link, ADDRS[0], PORT, args)
+                for rank in range(2):
+                    link.set_rate(rank, rate)
+                results[label] = run_pair(link, link.addr(0), PORT, args)
     else:
         print(f"dp_overlap: cannot create network namespaces ({reason}); running on loopback, "
               "without a rate limit", file=sys.stderr)
