@@ -171,11 +171,11 @@ def _preflight_argv(args: argparse.Namespace) -> list[str]:
 def cmd_preflight(args: argparse.Namespace) -> int:
     from mshpc.config import load_config
     from mshpc.launch.env import read_launch_env
-    from mshpc.preflight.run import VERDICT_FAIL_EXIT, Options, check_options, run_preflight
+    from mshpc.preflight.options import VERDICT_FAIL_EXIT, Options, check_options
 
     cfg = load_config(args.config, args.set)
     opts = Options(level=args.level, json_path=args.json, exclude_path=args.exclude_file, drain=args.drain)
-    check_options(opts)
+    check_options(opts)  # before torch is imported, or any rank started
     env = read_launch_env()
     logging.getLogger().setLevel(logging.INFO if env.rank == 0 else logging.WARNING)
     if args.nproc is not None and args.nproc < 1:
@@ -186,6 +186,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         nproc = args.nproc or max(1, torch.cuda.device_count())
         if nproc > 1:
             return _launch_local(_preflight_argv(args), nproc, quiet_exit=VERDICT_FAIL_EXIT)
+    from mshpc.preflight.run import run_preflight
+
     return run_preflight(cfg.preflight, env, opts)
 
 

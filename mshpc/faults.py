@@ -20,7 +20,7 @@ from mshpc.errors import ConfigError
 
 KINDS = ("raise", "kill", "kill_in_save", "gemm_slow", "gemm_wrong")
 _PHASE = {"raise": "step", "kill": "step", "kill_in_save": "save", "gemm_slow": "preflight", "gemm_wrong": "preflight"}
-SLOW_FACTOR = 10  # gemm_slow: each GEMM runs this many times and counts once
+SLOW_FACTOR = 4  # gemm_slow: each GEMM runs this many times and counts once
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def judge_pairs(records: list[Record], fleet: Rule | None) -> list[Record]:
     if fleet is None or fleet.fail is None or not links:
         return records
     median = statistics.median(r.value for r in links.values() if r.value is not None)
-    limit = f">= {fleet.fail:g} x median {median:.3g}"
+    limit = f"fail < {fleet.fail:g} x median {median:.4g} (of the nodes' link_gbps)"
     out = [r for r in records if r.test != "pair_gbps"]
     for r in (r for r in records if r.test == "pair_gbps"):
         a, b = r.device.split("<->")

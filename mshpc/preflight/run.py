@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
 
 from mshpc.config import PreflightConfig
-from mshpc.errors import ConfigError
 from mshpc.faults import Fault, parse_faults
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.rendezvous import init_distributed, shutdown_distributed
@@ -25,30 +22,11 @@ from mshpc.preflight.links import link_records
 from mshpc.preflight.record import Record
 from mshpc.preflight.stages import Budget, Layout, collective_stage, device_stage, pair_stage
 from mshpc.preflight.thresholds import load_thresholds
-from mshpc.preflight.tiers import Tier, tier
+from mshpc.preflight.options import VERDICT_FAIL_EXIT, Options, check_options
+from mshpc.preflight.tiers import Tier
 from mshpc.preflight.verdict import Verdict, judge, table, verdict, write_exclude, write_json
 
 log = logging.getLogger(__name__)
-
-VERDICT_FAIL_EXIT = 3  # 0: pass (warnings allowed); 1: a crash; 2: a user error; 3: a node failed
-
-
-@dataclass(frozen=True)
-class Options:
-    level: str
-    json_path: Path | None = None
-    exclude_path: Path | None = None
-    drain: bool = False
-
-
-def check_options(opts: Options) -> Tier:
-    """Stop on a bad combination before any rank starts."""
-    chosen = tier(opts.level)
-    if opts.drain and opts.level == "quick":
-        raise ConfigError("--drain cannot run with --level quick: the quick level is for prologs and "
-                          "HealthCheckProgram, which must not call scontrol (use --level standard or extended)")
-    return chosen
-
 
 def run_preflight(cfg: PreflightConfig, env: LaunchEnv, opts: Options) -> int:
     """Every rank of the launch calls this; returns the process exit code (the same on every rank)."""
