@@ -88,7 +88,10 @@ class Nvml:
     def throttle(self) -> Throttle | None:
         if self.handle is None:
             return None
-        reasons = pynvml.nvmlDeviceGetCurrentClocksEventReasons(self.handle)
+        try:
+            reasons = pynvml.nvmlDeviceGetCurrentClocksEventReasons(self.handle)
+        except pynvml.NVMLError_FunctionNotFound:  # drivers before 535 have only the old name
+            reasons = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(self.handle)
         hw = (pynvml.nvmlClocksThrottleReasonHwSlowdown | pynvml.nvmlClocksThrottleReasonHwThermalSlowdown
               | pynvml.nvmlClocksThrottleReasonHwPowerBrakeSlowdown)
         temperature = pynvml.nvmlDeviceGetTemperature(self.handle, pynvml.NVML_TEMPERATURE_GPU)
