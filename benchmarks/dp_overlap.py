@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from mshpc.launch.netns import Fabric, why_unavailable
+from mshpc.launch.netns import Fabric, run_ranks, why_unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 29500  # free by construction: the namespaces are new
@@ -44,23 +42,14 @@ class Loopback:
 
 def run_pair(link: Fabric | Loopback, addr: str, port: int, args: argparse.Namespace) -> dict:
     """Start both ranks, wait for them, return rank 0's measurements."""
-    procs = []
+    commands = []
     for rank in range(2):
         prefix, env = link.prefix(rank)
         cmd = [*prefix, sys.executable, __file__, "--worker", str(rank), "--addr", addr, "--port", str(port),
                *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "addr", "port")]]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, **env, "PYTHONPATH": str(REPO)}))
-    try:
-        outs = [p.communicate(timeout=WORKER_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
-        if p.returncode != 0:
-            raise SystemExit(f"dp_overlap: rank {rank} failed (exit {p.returncode}):\n{err[-3000:]}")
-    return json.loads(outs[0][0].strip().splitlines()[-1])
+        commands.append((cmd, {**env, "PYTHONPATH": str(REPO)}))
+    done = run_ranks(commands, WORKER_TIMEOUT_S)
+    return json.loads(done[0].stdout.strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------- one rank

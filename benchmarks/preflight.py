@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from mshpc.launch.netns import run_ranks
 from mshpc.launch.rendezvous import free_port
 from mshpc.preflight.tiers import TIERS
 
@@ -88,21 +88,12 @@ def busbw_lines(args: argparse.Namespace) -> list[dict]:
     port = free_port()
     cmd = [sys.executable, __file__, "--port", str(port), "--ranks", str(args.ranks), "--warmup", str(args.warmup),
            "--iters", str(args.iters), "--rounds", str(args.rounds)]
-    procs = [subprocess.Popen([*cmd, "--worker", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"}) for r in range(args.ranks)]
-    try:
-        outs = [p.communicate(timeout=WORKER_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, (_, err)) in enumerate(zip(procs, outs)):
-        if p.returncode != 0:
-            raise SystemExit(f"preflight bench: rank {rank} failed (exit {p.returncode}):\n{err[-3000:]}")
+    done = run_ranks([([*cmd, "--worker", str(r)], {"GLOO_SOCKET_IFNAME": "lo"}) for r in range(args.ranks)],
+                     WORKER_TIMEOUT_S)
     return [{"bench": "preflight", "metric": "all_reduce_busbw_vs_torch_all_reduce_loop", "value": round(r["ours"], 4),
              "unit": "GB/s", "baseline": round(r["torch"], 4), "ratio": round(r["ours"] / r["torch"], 3),
              "size_bytes": r["size_bytes"], "ranks": args.ranks, "warmup": args.warmup, "iters": args.iters,
-             "backend": "gloo"} for r in json.loads(outs[0][0].strip().splitlines()[-1])]
+             "backend": "gloo"} for r in json.loads(done[0].stdout.strip().splitlines()[-1])]
 
 
 def main() -> None:

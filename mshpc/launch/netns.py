@@ -80,3 +80,24 @@ class Fabric:
             cmd += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname]
         # gloo must use the veth: the host name resolves to an address the namespace cannot reach
         return cmd, {"GLOO_SOCKET_IFNAME": self.dev[i]}
+
+
+def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout_s: float,
+              ok_codes: tuple[int, ...] = (0,)) -> list[subprocess.CompletedProcess[str]]:
+    """Start one process per (argv, environment) at once, as the ranks of one job (in a fabric's
+    namespaces, or here), and wait for all; on a timeout or an exit outside `ok_codes`, every
+    rank still running is killed and RuntimeError names the rank, with its last output."""
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, **env}) for argv, env in commands]
+    try:
+        outs = [p.communicate(timeout=timeout_s) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    done = [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    for rank, result in enumerate(done):
+        if result.returncode not in ok_codes:
+            raise RuntimeError(f"rank {rank} exited with code {result.returncode}:\n{result.stderr[-3000:]}")
+    return done

@@ -54,19 +54,21 @@ def burn(target: Target, nvml: Nvml, seconds: float, slow_factor: int = 1, wrong
 def _records(target: Target, nvml: Nvml, rates: list[float], errors: int, samples: list[Throttle],
              seconds: float) -> list[Record]:
     median = statistics.median(rates)
-    rec = lambda test, value, unit="", status="info", detail="": Record(  # noqa: E731
-        "", target.label, test, value, unit, status, kind=target.kind, detail=detail)
+
+    def rec(test: str, value: float | None, detail: str, status: str = "info") -> Record:
+        return Record("", target.label, test, value, "", status, kind=target.kind, detail=detail)
+
     records = [
-        rec("burn_tflops", median / 1e12, "TFLOP/s", detail=f"median of {len(rates)} x {INTERVAL_S:g} s, {seconds:g} s burn"),
-        rec("burn_min_ratio", min(rates) / median, detail="slowest second / median"),
-        rec("burn_errors", float(errors), detail=f"seconds whose GEMM result was wrong, of {len(rates)}"),
+        rec("burn_tflops", median / 1e12, f"median of {len(rates)} x {INTERVAL_S:g} s, {seconds:g} s burn"),
+        rec("burn_min_ratio", min(rates) / median, "slowest second / median"),
+        rec("burn_errors", float(errors), f"seconds whose GEMM result was wrong, of {len(rates)}"),
     ]
     if not samples:
         why = nvml.reason or "no samples"
-        return records + [rec(t, None, status="na", detail=why) for t in
+        return records + [rec(t, None, why, "na") for t in
                           ("burn_hw_throttle_fraction", "burn_sw_thermal_fraction", "burn_max_temperature_c")]
     return records + [
-        rec("burn_hw_throttle_fraction", sum(s.hw for s in samples) / len(samples), detail="HW slowdown/thermal/power brake"),
-        rec("burn_sw_thermal_fraction", sum(s.sw_thermal for s in samples) / len(samples), detail="SW thermal slowdown"),
-        rec("burn_max_temperature_c", max(s.temperature_c for s in samples), "C"),
+        rec("burn_hw_throttle_fraction", sum(s.hw for s in samples) / len(samples), "HW slowdown/thermal/power brake"),
+        rec("burn_sw_thermal_fraction", sum(s.sw_thermal for s in samples) / len(samples), "SW thermal slowdown"),
+        rec("burn_max_temperature_c", max(s.temperature_c for s in samples), f"of {len(samples)} samples"),
     ]

@@ -87,8 +87,9 @@ def build_op(op: str, size_bytes: int, group: Group, rank: int, device: torch.de
                   lambda: comm.reduce_scatter(out, inp, pg)), n * m * 4
     assert op == "all_to_all", op
     out = torch.empty(n * m, device=device)
-    expected = lambda: torch.cat([pattern(j, m, device, offset=g * m) for j in range(n)])  # noqa: E731
-    return Op(lambda: comm.all_to_all(out, inp, pg), expected, out, lambda: comm.all_to_all(out, inp, pg)), n * m * 4
+    chunks = [pattern(j, m, device, offset=g * m) for j in range(n)]  # chunk g of every rank's input
+    return Op(lambda: comm.all_to_all(out, inp, pg), lambda: torch.cat(chunks), out,
+              lambda: comm.all_to_all(out, inp, pg)), n * m * 4
 
 
 def measure(op: Op, group: Group, sync: Callable[[], None], warmup: int, iters: int) -> tuple[float, int]:
@@ -156,5 +157,6 @@ def _correctness(raw: list[dict], node_of_rank: list[str], kind_of_rank: list[st
                                   f"{op}_wrong_elements", 0.0, "", kind=kind_of_rank[ranks[0]], scope="group",
                                   detail=f"every size checked on every rank of {group}"))
         records += [Record(node_of_rank[rank], f"rank {rank}", f"{op}_wrong_elements", float(count), "", rank=rank,
-                           kind=kind_of_rank[rank], detail=f"received in {group}") for rank, count in wrong.items() if count]
+                           kind=kind_of_rank[rank], detail=f"received in {group}")
+                    for rank, count in wrong.items() if count]
     return records

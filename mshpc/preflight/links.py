@@ -42,7 +42,8 @@ def schedule(n: int, max_nodes: int, bisections: int, seed: int = 0) -> list[lis
     return rounds
 
 
-def my_peer(round_pairs: list[tuple[int, int]], by_node: list[tuple[int, ...]], rank: int) -> tuple[int, int, int] | None:
+def my_peer(round_pairs: list[tuple[int, int]], by_node: list[tuple[int, ...]],
+            rank: int) -> tuple[int, int, int] | None:
     """(peer rank, node index a, node index b) for this rank in this round, or None."""
     for a, b in round_pairs:
         for k in range(min(len(by_node[a]), len(by_node[b]))):

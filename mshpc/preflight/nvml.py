@@ -120,11 +120,16 @@ def _counters(h: Any) -> dict[str, tuple[Any, str]]:
     remapped = _read(nv.nvmlDeviceGetRemappedRows, h)  # (corrected, uncorrected, pending, failure)
     width, max_width = _read(nv.nvmlDeviceGetCurrPcieLinkWidth, h), _read(nv.nvmlDeviceGetMaxPcieLinkWidth, h)
     power, limit = _read(nv.nvmlDeviceGetPowerUsage, h), _read(nv.nvmlDeviceGetEnforcedPowerLimit, h)
-    clock, max_clock = _read(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM), _read(nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM)
-    ecc = lambda kind, where: _read(nv.nvmlDeviceGetTotalEccErrors, h, kind, where)  # noqa: E731
+    clock = _read(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
+    max_clock = _read(nv.nvmlDeviceGetMaxClockInfo, h, nv.NVML_CLOCK_SM)
+
+    def ecc(kind: int, where: int) -> Any:
+        return _read(nv.nvmlDeviceGetTotalEccErrors, h, kind, where)
+
     return {
         "temperature_c": (_read(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU), ""),
-        "power_w": (power if power is MISSING else power / 1000, "" if limit is MISSING else f"limit {limit / 1000:.0f} W"),
+        "power_w": (power if power is MISSING else power / 1000,
+                    "" if limit is MISSING else f"limit {limit / 1000:.0f} W"),
         "sm_clock_mhz": (clock, "" if max_clock is MISSING else f"max {max_clock} MHz"),
         "ecc_uncorrected_volatile": (ecc(nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC), "since boot"),
         "ecc_uncorrected_aggregate": (ecc(nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_AGGREGATE_ECC), "lifetime"),
@@ -132,7 +137,8 @@ def _counters(h: Any) -> dict[str, tuple[Any, str]]:
         "retired_pages_pending": (_read(nv.nvmlDeviceGetRetiredPagesPendingStatus, h), "1: a reset is needed"),
         "remapped_rows_pending": (MISSING if remapped is MISSING else int(remapped[2]), "1: a reset is needed"),
         "remapped_rows_failure": (MISSING if remapped is MISSING else int(remapped[3]), "1: remapping failed"),
-        "pcie_width_ratio": (MISSING if MISSING in (width, max_width) else width / max_width, f"x{width} of x{max_width}"),
+        "pcie_width_ratio": (MISSING if MISSING in (width, max_width) else width / max_width,
+                             f"x{width} of x{max_width}"),
         "pcie_gen_max": (_read(nv.nvmlDeviceGetMaxPcieLinkGeneration, h), "device and slot"),
         "pcie_gen_current": (_read(nv.nvmlDeviceGetCurrPcieLinkGeneration, h), "idle GPUs drop to a lower gen"),
     }
@@ -146,7 +152,8 @@ def health(nvml: Nvml) -> list[Record]:
     records = []
     for metric, (value, detail) in _counters(nvml.handle).items():
         if value is MISSING:
-            records.append(Record("", t.label, metric, None, "", "na", detail="not supported by this GPU or driver", kind=t.kind))
+            records.append(Record("", t.label, metric, None, "", "na", kind=t.kind,
+                                  detail="not supported by this GPU or driver"))
         else:
             records.append(Record("", t.label, metric, float(value), "", detail=detail, kind=t.kind))
     xids = nvml.xids()

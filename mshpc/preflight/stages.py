@@ -43,9 +43,6 @@ class Layout:
     def by_node(self) -> list[tuple[int, ...]]:
         return [tuple(r for r, n in enumerate(self.node_of_rank) if n == node) for node in self.nodes]
 
-    def local_index(self, rank: int) -> int:
-        return self.by_node[self.nodes.index(self.node_of_rank[rank])].index(rank)
-
 
 class Budget:
     """The level's time budget, agreed on by all ranks of `ctl` (a gloo group)."""
@@ -75,7 +72,8 @@ def _guarded(test: str, target: dev.Target, fn: Callable[[], list[Record]]) -> l
         return fn()
     except Exception as exc:  # noqa: BLE001 - recorded as this device's failure, with the error
         log.error("%s on %s raised %s: %s", test, target.label, type(exc).__name__, exc)
-        return [Record("", target.label, test, None, "", "fail", kind=target.kind, detail=f"{type(exc).__name__}: {exc}")]
+        return [Record("", target.label, test, None, "", "fail", kind=target.kind,
+                       detail=f"{type(exc).__name__}: {exc}")]
 
 
 def device_tests(target: dev.Target, tier: Tier, burn_s: float, faults: tuple[Fault, ...], rank: int) -> list[Record]:

@@ -54,7 +54,8 @@ def _absolute(records: list[Record], th: Thresholds) -> list[Record]:
         found = th.absolute(r.kind, r.test)
         if r.status in JUDGED and better and found and r.value is not None and i in judged:
             rule, whose = found
-            r = dataclasses.replace(r, status=_grade(r.value, rule, better), threshold=f"{_describe(rule, better, '')} ({whose})")
+            r = dataclasses.replace(r, status=_grade(r.value, rule, better),
+                                    threshold=f"{_describe(rule, better, '')} ({whose})")
         out.append(r)
     return out
 
@@ -72,7 +73,8 @@ def _fleet(records: list[Record], th: Thresholds) -> list[Record]:
         rule, better = th.fleet[test], METRICS[test][1] or "higher"
         for i in members:
             r = records[i]
-            status = worst([_grade(r.value, rule, better, median), r.status if r.status != "info" else "pass"])  # type: ignore[arg-type]
+            own = r.status if r.status != "info" else "pass"  # the device-type limit's verdict, if any
+            status = worst([_grade(r.value, rule, better, median), own])  # type: ignore[arg-type]
             limit = _describe(rule, better, f" x median {median:.4g}")
             out[i] = dataclasses.replace(r, status=status, threshold="; ".join(filter(None, [r.threshold, limit])))
     return out

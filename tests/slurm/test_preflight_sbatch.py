@@ -67,7 +67,8 @@ def test_drain_sets_our_reason_and_never_overwrites_another(slurm_cluster):
             f"not draining {node}: it has another reason already ('other-tool: fan speed')"]
         assert current_reason(node) == "other-tool: fan speed"
         scontrol(f"NodeName={node}", "State=RESUME")
-        assert drain({node: "gemm_rel_error cuda:1 7.9"}) == [f"drained {node}: {REASON_PREFIX} gemm_rel_error cuda:1 7.9"]
+        assert drain({node: "gemm_rel_error cuda:1 7.9"}) == [
+            f"drained {node}: {REASON_PREFIX} gemm_rel_error cuda:1 7.9"]
         assert current_reason(node) == f"{REASON_PREFIX} gemm_rel_error cuda:1 7.9"
         assert drain({node: "link_gbps network 0.01"})[0].startswith(f"drained {node}")  # ours: updated
         assert current_reason(node) == f"{REASON_PREFIX} link_gbps network 0.01"

@@ -31,7 +31,8 @@ def test_device_type_limits_name_their_source():
 
 
 def test_not_available_is_neither_pass_nor_fail_and_does_not_fail_a_node(tmp_path):
-    records = [Record("n1", "cpu/rank 0", "nvml", None, "", "na", detail="not available: NVML: NVML Shared Library Not Found"),
+    records = [Record("n1", "cpu/rank 0", "nvml", None, "", "na",
+                      detail="not available: NVML: NVML Shared Library Not Found"),
                gemm("n1", 1.0), gemm("n2", 1.0)]
     v = verdict(judge(records, load_thresholds()), ["n1", "n2"])
     assert v.records[0].status == "na" and v.nodes == {"n1": "pass", "n2": "pass"} and v.status == "pass"
