@@ -100,11 +100,13 @@ class Nvml:
 
 
 def _handle(device: torch.device) -> Any:
-    """The NVML handle of a torch device, by UUID (torch's and NVML's numbering can differ)."""
-    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
-    if uuid is not None:
-        return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-    return pynvml.nvmlDeviceGetHandleByIndex(device.index)
+    """The NVML handle of a torch device, by UUID: torch's numbering (after CUDA_VISIBLE_DEVICES)
+    and NVML's differ. Without a UUID (old torch), by index, which holds when nothing is hidden."""
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    if not uuid:
+        log.warning("torch gives no GPU UUID: NVML's GPU %d is taken for %s", device.index, device)
+        return pynvml.nvmlDeviceGetHandleByIndex(device.index)
+    return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
 
 
 def _read(fn: Callable[..., Any], *args: Any) -> Any:
