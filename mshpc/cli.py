@@ -14,9 +14,10 @@ from mshpc.errors import LaunchError, MshpcError
 USER_ERROR_EXIT = 2
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     """CONFIG and --set, which every command that runs a config takes alike."""
-    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
+    p.add_argument("config", nargs=None if required else "?",
+                   help="YAML config file, e.g. configs/tiny.yaml" + ("" if required else " (default: none)"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set optim.lr=3e-4 (repeatable)")
 
@@ -83,6 +84,30 @@ def _add_submit(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_submit)
 
 
+def _add_preflight(sub: argparse._SubParsersAction) -> None:
+    from mshpc.preflight.tiers import LEVELS
+
+    p = sub.add_parser(
+        "preflight", help="validate nodes: GPU tests, NVML health, collective bandwidth; verdict and exclude list",
+        description="Run the pre-flight suite on every rank (one per GPU; per rank on CPU): device tests, "
+        "NVML health, collectives and pairwise node links. Prints a table; exits 3 when a node fails, 0 "
+        "otherwise (warnings allowed). Knobs: the config's preflight section (--set preflight.key=value).",
+    )
+    _add_config_args(p, required=False)
+    p.add_argument("--level", choices=LEVELS, default="quick",
+                   help="quick (< 60 s a node, safe in a Slurm prolog), standard (minutes), extended (burn-in)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="write one record per (node, device, test): value, threshold, unit, status")
+    p.add_argument("--exclude-file", type=Path, default=None, metavar="FILE",
+                   help="write the failing nodes as a Slurm hostlist, e.g. n[1-3,5] (empty when none fail)")
+    p.add_argument("--drain", action="store_true",
+                   help="admin: drain failing nodes in Slurm (reason 'mshpc-preflight: ...'; never "
+                   "overwrites another reason); not with --level quick")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="local ranks to start outside a launcher (default: one per GPU, 1 on CPU)")
+    p.set_defaults(func=cmd_preflight)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mshpc", description="MegaScale-style LLM training on Slurm clusters."
@@ -92,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(sub)
     _add_ckpt(sub)
     _add_submit(sub)
+    _add_preflight(sub)
     return parser
 
 
@@ -109,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc = args.nproc or cfg.world_size
         if nproc > 1:
             resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
-            return _launch_local(args, nproc)
+            return _launch_local(["train", args.config, *_set_args(args)], nproc)
     elif args.nproc is not None and args.nproc != env.world_size:
         raise LaunchError(f"--nproc={args.nproc} but the {env.launcher} launcher started {env.world_size} ranks")
     from mshpc.train import train
@@ -118,15 +144,51 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_local(args: argparse.Namespace, nproc: int) -> int:
+def _set_args(args: argparse.Namespace) -> list[str]:
+    return [a for s in args.set for a in ("--set", s)]
+
+
+def _launch_local(argv: list[str], nproc: int, quiet_exit: int | None = None) -> int:
+    """Run `mshpc ARGV` as nproc local ranks; a rank exiting with `quiet_exit` has said why."""
     from mshpc.launch.local import launch_local
 
-    argv = ["train", args.config] + [a for s in args.set for a in ("--set", s)]
     failure = launch_local(argv, nproc)
     if failure is None:
         return 0
-    print(f"mshpc: {failure.describe()}", file=sys.stderr)
+    if failure.exit_code != quiet_exit:
+        print(f"mshpc: {failure.describe()}", file=sys.stderr)
     return failure.exit_code
+
+
+def _preflight_argv(args: argparse.Namespace) -> list[str]:
+    """The same preflight command, for each local rank."""
+    argv = ["preflight", *([args.config] if args.config else []), *_set_args(args), "--level", args.level]
+    for flag, value in (("--json", args.json), ("--exclude-file", args.exclude_file)):
+        argv += [flag, str(value)] if value is not None else []
+    return argv + (["--drain"] if args.drain else [])
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from mshpc.config import load_config
+    from mshpc.launch.env import read_launch_env
+    from mshpc.preflight.options import VERDICT_FAIL_EXIT, Options, check_options
+
+    cfg = load_config(args.config, args.set)
+    opts = Options(level=args.level, json_path=args.json, exclude_path=args.exclude_file, drain=args.drain)
+    check_options(opts)  # before torch is imported, or any rank started
+    env = read_launch_env()
+    logging.getLogger().setLevel(logging.INFO if env.rank == 0 else logging.WARNING)
+    if args.nproc is not None and args.nproc < 1:
+        raise LaunchError(f"--nproc={args.nproc} must be >= 1")
+    if env.launcher == "single":
+        import torch
+
+        nproc = args.nproc or max(1, torch.cuda.device_count())
+        if nproc > 1:
+            return _launch_local(_preflight_argv(args), nproc, quiet_exit=VERDICT_FAIL_EXIT)
+    from mshpc.preflight.run import run_preflight
+
+    return run_preflight(cfg.preflight, env, opts)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -126,6 +126,16 @@ class SlurmConfig:
 
 
 @dataclass(frozen=True)
+class PreflightConfig:
+    # a YAML of the shape of mshpc/preflight/thresholds.yaml, merged over the shipped limits
+    thresholds: str | None = None
+    burn_s: float | None = None  # sustained burn per device; None: the level's (GPU 0/30/600 s, CPU 0/2/20 s)
+    pairwise_max_nodes: int = _min(2, 32)  # every node pair up to this many nodes; above, bisections
+    bisections: int = _min(1, 4)  # random half/half pairings of the nodes when there are more
+    timeout_s: float = _min(1.0, 300.0)  # a collective that takes longer fails the run, not hangs
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -135,6 +145,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
     @property
     def world_size(self) -> int:

@@ -194,6 +194,25 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
     return dist.irecv(tensor, src=src, group=group)
 
 
+def all_to_all(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> dist.Work | None:
+    """Collective over `group`: chunk j of `input` goes to rank j; chunk i of `output` comes from
+    rank i (equal chunks, contiguous tensors)."""
+    RECORDER.record(_name(group), "all_to_all", input.numel() * input.element_size())
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
+    """Point to point, called by this rank and each peer it names (global ranks): post every send
+    and receive at once, so that two peers sending to each other do not deadlock, and wait."""
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    for tensor, peer in sends:
+        RECORDER.record(f"p2p to {peer}", "send", tensor.numel() * tensor.element_size())
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Collective over `group`."""
     RECORDER.record(_name(group), "barrier", 0)

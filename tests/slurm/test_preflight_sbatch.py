@@ -1,0 +1,76 @@
+"""`mshpc preflight` on the real local Slurm: sbatch/preflight.sbatch across 2 nodes passes the
+standard suite; sbatch/train-with-preflight.sbatch leaves out the node with a wrong GEMM and
+trains on the other; --drain's scontrol calls drain with our reason and never overwrite another."""
+
+import json
+import subprocess
+
+import pytest
+
+from cli_runner import REPO
+from mshpc.preflight.drain import REASON_PREFIX, current_reason, drain
+
+pytestmark = pytest.mark.slurm
+
+SHARED = f"--set preflight.thresholds={REPO / 'tests/preflight_thresholds.yaml'}"
+
+
+def verdict(slurm, folder: str) -> dict:
+    return json.loads((slurm.cwd / "preflight" / folder / "verdict.json").read_text())
+
+
+def test_preflight_sbatch_passes_the_standard_suite_across_two_nodes(slurm):
+    job = slurm.sbatch(str(REPO / "sbatch/preflight.sbatch"), *SHARED.split(), "--set", "preflight.burn_s=1",
+                       env={"MSHPC_PREFLIGHT_LEVEL": "standard"})
+    info = slurm.wait_done(job, timeout_s=420)
+    rank0 = (slurm.cwd / "preflight" / job / "rank-0.log").read_text()
+    assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), rank0[-3000:]
+    doc = verdict(slurm, job)
+    assert (doc["status"], doc["nodes"], doc["level"]) == ("pass", {"n1": "pass", "n2": "pass"}, "standard")
+    assert (slurm.cwd / "preflight" / job / "exclude.txt").read_text() == ""
+    tests = {(r["node"], r["test"]) for r in doc["records"]}
+    assert {("n1", "gemm_tflops"), ("n2", "gemm_tflops"), ("n1", "burn_tflops"), ("n2", "burn_errors"),
+            ("n[1-2]", "inter_all_reduce_busbw_gbps"), ("n[1-2]", "sendrecv_wrong_elements"),
+            ("n1", "link_gbps"), ("n2", "link_gbps"), ("n1", "pair_gbps")} <= tests
+    assert "preflight: PASS" in rank0 and "rank 0/2 on n1: gloo via slurm" in rank0
+
+
+def test_train_with_preflight_leaves_out_the_failing_node(slurm, corpus_cache):
+    env = {"MSHPC_TEST_FAULTS": "gemm_wrong:rank=1", "MSHPC_PREFLIGHT_ARGS": SHARED,
+           "MSHPC_SBATCH_DIR": str(REPO / "sbatch")}
+    job = slurm.sbatch("--nodes=2", str(REPO / "sbatch/train-with-preflight.sbatch"), str(REPO / "configs/tiny.yaml"),
+                       *slurm.train_sets(corpus_cache, "train.steps=2"), env=env)
+    info = slurm.wait_done(job, timeout_s=420)
+    log = slurm.batch_log(job)
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert "mshpc: preflight exited with code 3" in log
+    assert "leaving out n2" in log and "training on n1" in log
+    folder = f"{job}-restart-0"
+    assert (slurm.cwd / "preflight" / folder / "exclude.txt").read_text() == "n2\n"
+    doc = verdict(slurm, folder)
+    assert doc["nodes"] == {"n1": "pass", "n2": "fail"}
+    assert {r["test"] for r in doc["records"] if r["status"] == "fail"} == {"gemm_rel_error"}
+    assert (slurm.cwd / "runs/t/metrics.jsonl").read_text().count("\n") == 2
+
+
+def scontrol(*args: str) -> None:
+    subprocess.run(["scontrol", "update", *args], check=True, capture_output=True, timeout=30)
+
+
+def test_drain_sets_our_reason_and_never_overwrites_another(slurm_cluster):
+    node = "n3"
+    if current_reason(node) is not None:
+        pytest.skip(f"{node} has a reason set by someone else ({current_reason(node)!r}); not touching it")
+    try:
+        scontrol(f"NodeName={node}", "State=DRAIN", "Reason=other-tool: fan speed")
+        assert drain({node: "gemm_rel_error cuda:1 7.9"}) == [
+            f"not draining {node}: it has another reason already ('other-tool: fan speed')"]
+        assert current_reason(node) == "other-tool: fan speed"
+        scontrol(f"NodeName={node}", "State=RESUME")
+        assert drain({node: "gemm_rel_error cuda:1 7.9"}) == [
+            f"drained {node}: {REASON_PREFIX} gemm_rel_error cuda:1 7.9"]
+        assert current_reason(node) == f"{REASON_PREFIX} gemm_rel_error cuda:1 7.9"
+        assert drain({node: "link_gbps network 0.01"})[0].startswith(f"drained {node}")  # ours: updated
+        assert current_reason(node) == f"{REASON_PREFIX} link_gbps network 0.01"
+    finally:
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True, timeout=30)
