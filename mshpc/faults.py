@@ -5,18 +5,25 @@ Spec: `;`-separated faults, each `KIND:rank=R:step=S`, KIND one of
   kill   SIGKILL this rank (a crash with no chance to clean up)
   kill_in_save  SIGKILL this rank in stage 2 of the save of step S, after every shard is
                 written and before rank 0 commits (so on rank 0 the save is never committed)
+  slow   from step S on, each forward on rank R takes `factor` times as long, a sleep after it
+         (a slower device): `slow:rank=R:step=S:factor=F`, F >= 1
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import time
 from dataclasses import dataclass
+
+from torch import nn
 
 from mshpc.errors import ConfigError
 
-KINDS = ("raise", "kill", "kill_in_save")
-_PHASE = {"raise": "step", "kill": "step", "kill_in_save": "save"}
+KINDS = ("raise", "kill", "kill_in_save", "slow")
+_PHASE = {"raise": "step", "kill": "step", "kill_in_save": "save", "slow": "forward"}
+_FIELDS = {"slow": {"rank", "step", "factor"}}  # other kinds: rank and step
 
 
 @dataclass(frozen=True)
@@ -24,17 +31,23 @@ class Fault:
     kind: str
     rank: int
     step: int
+    factor: float = 1.0  # slow: how many times as long each forward takes
 
 
 def _parse_one(text: str) -> Fault:
     kind, *fields = text.strip().split(":")
     values = dict(f.split("=", 1) for f in fields if "=" in f)
-    if kind not in KINDS or set(values) != {"rank", "step"}:
-        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r} must be KIND:rank=R:step=S, KIND in {', '.join(KINDS)}")
+    if kind not in KINDS or set(values) != _FIELDS.get(kind, {"rank", "step"}):
+        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r} must be KIND:rank=R:step=S "
+                          f"(slow: also :factor=F), KIND in {', '.join(KINDS)}")
     try:
-        return Fault(kind, int(values["rank"]), int(values["step"]))
+        fault = Fault(kind, int(values["rank"]), int(values["step"]), float(values.get("factor", 1.0)))
     except ValueError:
-        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r}: rank and step must be integers") from None
+        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r}: rank and step must be integers, "
+                          "factor a number") from None
+    if fault.factor < 1:
+        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r}: factor must be >= 1")
+    return fault
 
 
 def parse_faults(spec: str | None) -> tuple[Fault, ...]:
@@ -49,3 +62,26 @@ def inject(faults: tuple[Fault, ...], rank: int, step: int, phase: str = "step")
         if fault.kind in ("kill", "kill_in_save"):
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"injected fault at rank {rank} step {step}")
+
+
+def install_slowdown(model: nn.Module, faults: tuple[Fault, ...], rank: int, start_step: int,
+                     forwards_per_step: int) -> None:
+    """Make this rank's forwards slow from each `slow` fault's step on; steps are counted from
+    `start_step` in forwards of `model` (`forwards_per_step` per optimizer step)."""
+    for fault in faults:
+        if fault.kind == "slow" and fault.rank == rank:
+            _slow_hooks(model, fault, itertools.count(start_step * forwards_per_step), forwards_per_step)
+
+
+def _slow_hooks(model: nn.Module, fault: Fault, forwards: itertools.count, forwards_per_step: int) -> None:
+    started = [0.0]
+
+    def before(module: nn.Module, args: object) -> None:
+        started[0] = time.perf_counter()
+
+    def after(module: nn.Module, args: object, output: object) -> None:
+        if next(forwards) // forwards_per_step >= fault.step:
+            time.sleep((fault.factor - 1) * (time.perf_counter() - started[0]))
+
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(after)
