@@ -4,9 +4,10 @@ Two scores per step, rank and phase, after NVIDIA's resiliency extension (nvidia
 straggler detection: "relative" and "individual" performance scores, 1.0 = as fast as the
 reference, 0.5 = twice as slow):
 
-- relative: the median rank's time in the phase over this rank's time (the extension compares
-  with the best rank; the median is not fooled by one lucky rank);
-- individual: the rank's own median over its history over its median of the last window.
+- relative: the median of the other ranks' times in the phase over this rank's time (the
+  extension compares with the best rank; a median is not fooled by one lucky rank);
+- individual: the rank's best median over a window of its own history over its median of the
+  last window (the extension's reference is the rank's best performance, too).
 
 Times below `floor` x the step's median duration count as that floor, so that jitter in a phase
 that is nearly empty (data wait, usually) is not slowness. A rank is a straggler while the
@@ -18,6 +19,7 @@ lasts until its slowest member arrives, so the healthy ranks are the ones that w
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +36,36 @@ log = logging.getLogger(__name__)
 BLAMED = ("compute", "data wait")  # the categories that are a rank's own work
 
 
+def median_of_others(seconds: np.ndarray) -> np.ndarray:
+    """(ranks, ...) -> for each rank, the median of the other ranks (of itself when alone).
+    Leaving the rank out lets two ranks tell which of them is slow, and changes nothing at scale."""
+    n = seconds.shape[0]
+    if n == 1:
+        return seconds
+    order = np.argsort(seconds, axis=0)
+    ordered = np.take_along_axis(seconds, order, axis=0)
+    position = np.argsort(order, axis=0)  # where each rank sits in the sorted order
+
+    def others_at(j: int) -> np.ndarray:  # the j-th smallest among the other ranks
+        return np.take_along_axis(ordered, np.where(j < position, j, j + 1), axis=0)
+
+    return (others_at((n - 2) // 2) + others_at((n - 1) // 2)) / 2
+
+
 def relative_scores(seconds: np.ndarray, floor: np.ndarray | float) -> np.ndarray:
-    """(ranks, ...) seconds -> the median rank's time over each rank's, both at least `floor`."""
-    median = np.nanmedian(seconds, axis=0)
-    return np.maximum(median, floor) / np.maximum(seconds, floor)
+    """(ranks, ...) seconds -> the other ranks' median time over each rank's, both at least `floor`."""
+    return np.maximum(median_of_others(seconds), floor) / np.maximum(seconds, floor)
+
+
+def individual_scores(history: np.ndarray, window: int, floor: float) -> np.ndarray | None:
+    """(steps, ranks) seconds, oldest first -> each rank's best (lowest) median over any `window`
+    steps of its history, over its median of the last `window` (None with under two windows)."""
+    if len(history) < 2 * window:
+        return None
+    windows = np.lib.stride_tricks.sliding_window_view(history, window, axis=0)  # (n, ranks, window)
+    best = np.nanmin(np.nanmedian(windows, axis=2), axis=0)
+    recent = np.nanmedian(history[-window:], axis=0)
+    return np.maximum(best, floor) / np.maximum(recent, floor)
 
 
 @dataclass(frozen=True)
@@ -66,12 +94,13 @@ class StragglerDetector:
         self._seconds = {c: collections.deque(maxlen=cfg.straggler_history_steps) for c in BLAMED}
         self.flagged: dict[int, Straggler] = {}
         self.last_step = -1
+        self._floor = 0.0
 
     def update(self, step: int, step_s: np.ndarray, phases: dict[str, np.ndarray]) -> list[Straggler]:
         """One step: (ranks,) step seconds and {phase: (ranks,) seconds}; returns the ranks newly
         flagged at this step."""
         self.last_step = step
-        floor = self.cfg.straggler_floor * float(np.nanmedian(step_s))
+        floor = self._floor = self.cfg.straggler_floor * float(np.nanmedian(step_s))
         flagged_now = []
         for cat in BLAMED:
             seconds = sum((v for p, v in phases.items() if category(p) == cat), np.zeros(len(self.ranks)))
@@ -83,9 +112,12 @@ class StragglerDetector:
             for r in np.flatnonzero(rolling < self.cfg.straggler_threshold):
                 if int(r) not in self.flagged:
                     flagged_now.append(self._flag(int(r), step, cat, float(rolling[r]), phases, floor))
+            # Recovered only halfway back to 1 (hysteresis), so that a rank that hovers at the
+            # threshold is one event, not one per crossing; a new slowdown is a new event.
+            recovered = 1 - (1 - self.cfg.straggler_threshold) / 2
             for r in list(self.flagged):
-                if self.flagged[r].category == cat and rolling[r] >= self.cfg.straggler_threshold:
-                    del self.flagged[r]  # recovered; a new slowdown is a new event
+                if self.flagged[r].category == cat and rolling[r] >= recovered:
+                    del self.flagged[r]
         for s in flagged_now:
             self.flagged[s.rank] = s
         return flagged_now
@@ -100,21 +132,18 @@ class StragglerDetector:
                          individual_score=self._individual(r, cat, floor))
 
     def _individual(self, r: int, cat: str, floor: float) -> float | None:
-        history = np.stack(self._seconds[cat])[:, r]
-        window = self.cfg.straggler_window_steps
-        if len(history) < 2 * window:
-            return None
-        before, recent = np.median(history[:-window]), np.median(history[-window:])
-        return round(float(max(before, floor) / max(recent, floor)), 4)
+        scores = individual_scores(np.stack(self._seconds[cat]), self.cfg.straggler_window_steps, floor)
+        return None if scores is None else round(float(scores[r]), 4)
 
     def current(self) -> list[Straggler]:
-        """Who is flagged now, slowest first, with `step` brought up to the latest step."""
-        out = [_with_step(s, self.last_step) for s in self.flagged.values()]
+        """Who is flagged now, slowest first, with the scores and step of the latest step."""
+        out = []
+        for s in self.flagged.values():
+            index = next(i for i, info in enumerate(self.ranks) if info.rank == s.rank)
+            rolling = float(np.median(np.stack(self._relative[s.category])[:, index]))
+            out.append(dataclasses.replace(s, step=self.last_step, relative_score=round(rolling, 4),
+                                           individual_score=self._individual(index, s.category, self._floor)))
         return sorted(out, key=lambda s: s.relative_score)
-
-
-def _with_step(s: Straggler, step: int) -> Straggler:
-    return Straggler(**{**s.__dict__, "step": step})
 
 
 def detect(timings: Timings, cfg: DiagnoseConfig) -> tuple[StragglerDetector, list[Straggler]]:

@@ -17,6 +17,7 @@ threads issue work that overlaps the loop by design and would be counted twice.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
 CATEGORIES = ("compute", "communication", "data wait", "bubble", "checkpoint", "other")
 
 
+@functools.lru_cache(maxsize=None)  # a handful of names, asked for every step and rank
 def category(phase: str) -> str:
     """The breakdown a phase counts in; a phase nobody declared (a layer's own timer) is compute."""
     if phase.startswith(COMM_PREFIX):
