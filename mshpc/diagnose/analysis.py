@@ -3,7 +3,6 @@ each rank's slowest dependency in the 3D mesh, and the MFU trend. Reads files on
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from mshpc.diagnose.stragglers import Straggler, detect, individual_scores, rela
 from mshpc.diagnose.timers import CATEGORIES
 from mshpc.diagnose.timings import RankInfo, Timings, read_timings
 from mshpc.errors import MshpcError
-from mshpc.events import read_events
+from mshpc.events import read_events, read_jsonl
 from mshpc.parallel.mesh import Coords, MeshShape
 
 WARMUP_STEPS = 1  # the first step allocates, builds buckets and fills caches: not the run's pace
@@ -69,19 +68,6 @@ def _steady(t: Timings) -> np.ndarray:
         if candidate.any():
             return np.flatnonzero(candidate)
     return np.arange(len(t.steps))
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def tflops_series(a: Analysis) -> tuple[list[int], list[float]]:
@@ -159,5 +145,5 @@ def analyse(run_dir: Path) -> Analysis:
         cols = _steady(timings)
         step = float(np.nanmedian(timings.step_s[:, cols]))
         share = {p: float(np.nanmedian(v[:, cols])) / step for p, v in timings.phases.items()}
-    return Analysis(run_dir, cfg, read_metrics(run_dir), read_events(run_dir), timings, ranks,
+    return Analysis(run_dir, cfg, read_jsonl(run_dir / "metrics.jsonl"), read_events(run_dir), timings, ranks,
                     dict(sorted(share.items(), key=lambda kv: -kv[1])), stragglers, flags)

@@ -136,9 +136,11 @@ def write_report(run_dir: Path) -> tuple[Path, list[str]]:
     out.mkdir(exist_ok=True)
     images = {"Loss and MFU": plots.loss_and_mfu(a, out / "loss_mfu.png").name}
     if a.timings is not None:
-        images["Compute time per rank (stragglers are bright rows)"] = plots.compute_heatmap(a, out / "heatmap.png").name
-        images["Where each rank's step goes"] = plots.phase_breakdown(a, out / "breakdown.png").name
-        images["3D mesh and slowest dependencies"] = plots.mesh_view(a, out / "mesh.png").name
+        images.update({
+            "Compute time per rank (stragglers are bright rows)": plots.compute_heatmap(a, out / "heatmap.png").name,
+            "Where each rank's step goes": plots.phase_breakdown(a, out / "breakdown.png").name,
+            "3D mesh and slowest dependencies": plots.mesh_view(a, out / "mesh.png").name,
+        })
     index = out / "index.html"
     index.write_text(render_html(a, images))
     return index, summary_lines(a)

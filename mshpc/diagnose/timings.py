@@ -2,7 +2,8 @@
 
 A rank's file starts (and, after each restart, continues) with a header line naming the rank,
 its host and its (dp, tp, pp) coordinates; then one line per step:
-`{"step": 12, "time": unix s, "step_s": 0.31, "phases": {"forward": 0.1, "comm.all_gather": ...}}`.
+`{"step": 12, "time": unix s, "step_s": 0.31, "spans": 40, "phases": {"forward": 0.1, ...}}`
+(spans: how many timed spans the step recorded, for the timers' own cost).
 A step trained twice (a restart from a checkpoint before it) counts as its last record.
 
 Writing is off the hot path: the loop hands a step's unread marks to a queue; a thread reads
@@ -96,7 +97,7 @@ class TimingsWriter:
     def _write(self, spans: StepSpans) -> None:
         step_s, phases = spans.resolve()
         record = {"step": spans.step, "time": time.time(), "step_s": round(step_s, 7),
-                  "phases": {k: round(v, 7) for k, v in phases.items()}}
+                  "spans": len(spans.spans), "phases": {k: round(v, 7) for k, v in phases.items()}}
         self._file.write(json.dumps(record) + "\n")
         try:
             self._after_write(spans.step)
