@@ -122,5 +122,5 @@ def mesh_view(a: Analysis, path: Path) -> Path:
                         ha="center", va="center", fontsize=7)
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[0].tolist(),
                  label="relative compute score (1 = the other ranks' median)")
-    fig.suptitle(f"3D mesh: dp={p.dp} tp={p.tp} pp={p.pp}")
+    fig.suptitle(f"3D mesh: dp={p.dp} tp={p.tp} pp={p.pp}", y=1.06)
     return _save(fig, path)

@@ -8,43 +8,9 @@ import pytest
 
 from mshpc.config import DiagnoseConfig
 from mshpc.diagnose.stragglers import StragglerWatch, detect, eviction_candidates, median_of_others
-from mshpc.diagnose.timings import RankInfo, header, rank_file, to_arrays
+from mshpc.diagnose.timings import header, rank_file, to_arrays
 from mshpc.events import read_events
-from mshpc.parallel.mesh import MeshShape
-
-MESH = MeshShape(pp=2, dp=2, tp=2)  # 8 ranks, so the coordinates in a flag are checkable
-BASE_S = {"data": 0.002, "forward": 0.10, "backward": 0.20, "optimizer": 0.03, "other": 0.005}
-COMM_S = 0.05
-
-
-def synthetic(steps: int, seed: int, slow_rank: int | None = None, slow_from: int = 0,
-              slow_phases: tuple[str, ...] = ("forward", "backward", "optimizer"), factor: float = 1.15,
-              noise: float = 0.05) -> list[dict[int, dict]]:
-    """Per rank {step: record} of a synchronous data-parallel job: every phase jitters (lognormal
-    `noise`), every step shares a job-wide factor, 1% of (rank, step) pairs spike 1.5-3x in
-    backward (a GC pause, an interrupt), and the collective waits for the slowest rank's compute."""
-    rng = np.random.default_rng(seed)
-    world = MESH.world_size
-    records: list[dict[int, dict]] = [{} for _ in range(world)]
-    for step in range(1, steps + 1):
-        common = rng.lognormal(0, noise)
-        phases = [{p: base * common * rng.lognormal(0, noise) for p, base in BASE_S.items()} for _ in range(world)]
-        for r in range(world):
-            if rng.random() < 0.01:
-                phases[r]["backward"] *= rng.uniform(1.5, 3.0)
-            if r == slow_rank and step >= slow_from:
-                for p in slow_phases:
-                    phases[r][p] *= factor
-        compute = [ph["forward"] + ph["backward"] + ph["optimizer"] for ph in phases]
-        for r in range(world):
-            phases[r]["comm.reduce_scatter"] = COMM_S * common + max(compute) - compute[r]
-            records[r][step] = {"step": step, "step_s": sum(phases[r].values()), "phases": phases[r]}
-    return records
-
-
-def ranks() -> list[RankInfo]:
-    return [RankInfo(r, f"node{r // 4}", MESH.coords(r)) for r in range(MESH.world_size)]
-
+from synthetic_timings import MESH, ranks, synthetic, write_files
 
 def run_detector(records, cfg=DiagnoseConfig()):
     return detect(to_arrays(list(zip(ranks(), records))), cfg)
@@ -88,15 +54,6 @@ def test_individual_score_tells_a_rank_that_slowed_down_from_one_that_was_always
     # 1/1.3 = 0.77 against its own best window; about 1 (less the noise of a best-of) for the other
     assert late[0].individual_score == pytest.approx(1 / 1.3, abs=0.05)
     assert always[0].individual_score > 0.9
-
-
-def write_files(run_dir, records, start_step=0):
-    for info, recs in zip(ranks(), records):
-        path = rank_file(run_dir, info.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(header(info, "cpu", start_step)) + "\n")
-            f.writelines(json.dumps(r) + "\n" for r in recs.values())
 
 
 def test_eviction_candidates_from_the_run_directory(tmp_path):
