@@ -112,7 +112,7 @@ def mesh_view(a: Analysis, path: Path) -> Path:
             if c.pp == stage:
                 grid[c.dp, c.tp] = r.relative_score
         ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
-        ax.set_title(f"pipeline stage pp={stage}")
+        ax.set_title(f"mesh dp={p.dp} tp={p.tp} pp={p.pp}: stage pp={stage}")
         ax.set_xticks(range(p.tp), [f"tp{t}" for t in range(p.tp)])
         ax.set_yticks(range(p.dp), [f"dp{d}" for d in range(p.dp)])
         for coords, r in by_coords.items():
@@ -122,5 +122,4 @@ def mesh_view(a: Analysis, path: Path) -> Path:
                         ha="center", va="center", fontsize=7)
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[0].tolist(),
                  label="relative compute score (1 = the other ranks' median)")
-    fig.suptitle(f"3D mesh: dp={p.dp} tp={p.tp} pp={p.pp}", y=1.06)
     return _save(fig, path)
