@@ -28,7 +28,8 @@ import numpy as np
 
 from mshpc.config import DiagnoseConfig, load_config
 from mshpc.diagnose.timers import category
-from mshpc.diagnose.timings import RankInfo, Timings, parse_lines, rank_file, rank_info, read_timings, to_arrays
+from mshpc.diagnose.timings import (RankInfo, Timings, is_header, parse_lines, rank_file, rank_info, read_timings,
+                                    to_arrays)
 from mshpc.events import append_event
 
 log = logging.getLogger(__name__)
@@ -80,8 +81,8 @@ class Straggler:
     since_step: int  # the step at which it was first flagged in this stretch
     step: int  # the latest step seen
     category: str  # "compute" or "data wait"
-    phase: str  # the phase of that category with the largest excess over the median rank
-    relative_score: float  # rolling median; 0.87: 15% slower than the median rank
+    phase: str  # the phase of that category with the largest excess over the other ranks' median
+    relative_score: float  # rolling median; 0.87: 15% slower than the other ranks' median
     individual_score: float | None  # vs its own history; None while there is too little of it
 
 
@@ -92,7 +93,7 @@ class StragglerDetector:
         self.cfg, self.ranks = cfg, ranks
         self._relative = {c: collections.deque(maxlen=cfg.straggler_window_steps) for c in BLAMED}
         self._seconds = {c: collections.deque(maxlen=cfg.straggler_history_steps) for c in BLAMED}
-        self.flagged: dict[int, Straggler] = {}
+        self.flagged: dict[int, Straggler] = {}  # by index in `ranks`
         self.last_step = -1
         self._floor = 0.0
 
@@ -101,7 +102,7 @@ class StragglerDetector:
         flagged at this step."""
         self.last_step = step
         floor = self._floor = self.cfg.straggler_floor * float(np.nanmedian(step_s))
-        flagged_now = []
+        flagged_now: dict[int, Straggler] = {}
         for cat in BLAMED:
             seconds = sum((v for p, v in phases.items() if category(p) == cat), np.zeros(len(self.ranks)))
             self._relative[cat].append(relative_scores(seconds, floor))
@@ -109,22 +110,21 @@ class StragglerDetector:
             if len(self._relative[cat]) < self.cfg.straggler_window_steps:
                 continue
             rolling = np.median(np.stack(self._relative[cat]), axis=0)  # (ranks,)
-            for r in np.flatnonzero(rolling < self.cfg.straggler_threshold):
-                if int(r) not in self.flagged:
-                    flagged_now.append(self._flag(int(r), step, cat, float(rolling[r]), phases, floor))
+            for r in map(int, np.flatnonzero(rolling < self.cfg.straggler_threshold)):
+                if r not in self.flagged and r not in flagged_now:
+                    flagged_now[r] = self._flag(r, step, cat, float(rolling[r]), phases, floor)
             # Recovered only halfway back to 1 (hysteresis), so that a rank that hovers at the
             # threshold is one event, not one per crossing; a new slowdown is a new event.
             recovered = 1 - (1 - self.cfg.straggler_threshold) / 2
             for r in list(self.flagged):
                 if self.flagged[r].category == cat and rolling[r] >= recovered:
                     del self.flagged[r]
-        for s in flagged_now:
-            self.flagged[s.rank] = s
-        return flagged_now
+        self.flagged.update(flagged_now)
+        return list(flagged_now.values())
 
     def _flag(self, r: int, step: int, cat: str, score: float, phases: dict[str, np.ndarray],
               floor: float) -> Straggler:
-        excess = {p: v[r] - np.median(v) for p, v in phases.items() if category(p) == cat}
+        excess = {p: v[r] - median_of_others(v)[r] for p, v in phases.items() if category(p) == cat}
         info = self.ranks[r]
         return Straggler(rank=info.rank, host=info.host, dp=info.coords.dp, tp=info.coords.tp,
                          pp=info.coords.pp, since_step=step, step=step, category=cat,
@@ -138,8 +138,7 @@ class StragglerDetector:
     def current(self) -> list[Straggler]:
         """Who is flagged now, slowest first, with the scores and step of the latest step."""
         out = []
-        for s in self.flagged.values():
-            index = next(i for i, info in enumerate(self.ranks) if info.rank == s.rank)
+        for index, s in self.flagged.items():
             rolling = float(np.median(np.stack(self._relative[s.category])[:, index]))
             out.append(dataclasses.replace(s, step=self.last_step, relative_score=round(rolling, 4),
                                            individual_score=self._individual(index, s.category, self._floor)))
@@ -224,7 +223,7 @@ class StragglerWatch:
         text = self._partial[rank] + chunk.decode()
         lines = text.split("\n")
         self._partial[rank] = lines.pop()  # the part after the last newline: not written whole yet
-        starts = [i for i, line in enumerate(lines) if line.startswith('{"rank"')]
+        starts = [i for i, line in enumerate(lines) if is_header(line)]
         if starts:  # a (re)start of this rank: what it wrote before belongs to an earlier process
             headers, _ = parse_lines(lines[starts[-1]:starts[-1] + 1])
             self._infos[rank] = rank_info(headers[0])

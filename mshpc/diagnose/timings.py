@@ -46,9 +46,14 @@ class RankInfo:
 
 
 def header(info: RankInfo, clock: str, start_step: int) -> dict[str, Any]:
+    """A rank's header line; "rank" comes first, so `is_header` knows it without parsing."""
     c = info.coords
     return {"rank": info.rank, "host": info.host, "pp": c.pp, "dp": c.dp, "tp": c.tp,
             "clock": clock, "start_step": start_step, "time": time.time()}
+
+
+def is_header(line: str) -> bool:
+    return line.startswith('{"rank"')
 
 
 class TimingsWriter:
