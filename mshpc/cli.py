@@ -108,6 +108,17 @@ def _add_preflight(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_preflight)
 
 
+def _add_diagnose(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diagnose", help="performance report of a run: MFU, stragglers, per-rank phase times",
+        description="Read a run directory (metrics.jsonl, timings/, events.jsonl) and write "
+        "RUN_DIR/report/index.html with its figures (opens from disk); print a short summary: "
+        "slowest ranks, biggest phase, MFU trend.",
+    )
+    p.add_argument("run_dir", type=Path, help="a run directory, e.g. runs/tiny")
+    p.set_defaults(func=cmd_diagnose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mshpc", description="MegaScale-style LLM training on Slurm clusters."
@@ -118,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ckpt(sub)
     _add_submit(sub)
     _add_preflight(sub)
+    _add_diagnose(sub)
     return parser
 
 
@@ -214,6 +226,15 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"mshpc: {exc}", file=sys.stderr)
         return 1
     print(f"finished {result.run_dir}: step {result.steps}, loss {result.final_loss}")
+    return 0
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from mshpc.diagnose.report import write_report
+
+    index, summary = write_report(args.run_dir)
+    print("\n".join(summary))
+    print(f"report: {index}")
     return 0
 
 

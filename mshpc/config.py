@@ -136,6 +136,23 @@ class PreflightConfig:
 
 
 @dataclass(frozen=True)
+class DiagnoseConfig:
+    timers: bool = True  # always-on phase timers -> <run dir>/timings/rank-N.jsonl
+    flush_interval_s: float = _min(0.0, 2.0)  # how often the timings thread flushes its file
+    # a rank is a straggler while the rolling median of its relative score (the median rank's
+    # compute or data-wait time over its own) stays below this: 0.9 = 11% slower than the median
+    straggler_threshold: float = 0.9
+    straggler_window_steps: int = _min(1, 10)  # the rolling median's window
+    straggler_history_steps: int = _min(2, 200)  # a rank's own history, for its individual score
+    # phase times under this fraction of the median step count as this fraction (jitter in an
+    # almost empty phase is not slowness)
+    straggler_floor: float = _min(0.0, 0.05)
+    straggler_check_interval_steps: int = _min(0, 10)  # rank 0 reads all timings this often; 0: never
+    mfu_window_steps: int = _min(1, 20)  # rolling median of achieved TFLOP/s ...
+    mfu_decline: float = 0.1  # ... an event when it falls this fraction below the run's best
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -146,6 +163,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
 
     @property
     def world_size(self) -> int:
@@ -353,6 +371,13 @@ def _check_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (MiB of fp32 gradients per bucket)")
 
 
+def _check_diagnose(d: DiagnoseConfig) -> None:
+    for key in ("straggler_threshold", "mfu_decline"):
+        value = getattr(d, key)
+        if not 0 < value < 1:
+            raise ConfigError(f"diagnose.{key}={value} must be between 0 and 1 (a fraction)")
+
+
 def validate(cfg: Config) -> Config:
     """Check every value and combination; return the config unchanged."""
     _check_minimums(cfg, "")
@@ -360,6 +385,7 @@ def validate(cfg: Config) -> Config:
     _check_parallel(cfg)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} must be <= optim.lr={cfg.optim.lr}")
+    _check_diagnose(cfg.diagnose)
     return cfg
 
 

@@ -31,13 +31,18 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     """Every whole event in order; a line torn by a crash mid-write is skipped."""
-    path = run_dir / EVENTS_FILE
+    return read_jsonl(run_dir / EVENTS_FILE)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every whole JSON line of a file mshpc appends to (none if it is missing); a line torn by
+    a crash mid-write is skipped."""
     if not path.exists():
         return []
-    events = []
+    records = []
     for line in path.read_text().splitlines():
         try:
-            events.append(json.loads(line))
+            records.append(json.loads(line))
         except ValueError:
             continue
-    return events
+    return records

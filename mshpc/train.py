@@ -16,9 +16,11 @@ from mshpc.config import Config, TrainConfig, resolve_world
 from mshpc.data.loader import BatchLoader, build_loader
 from mshpc.data.prepare import dataset_path
 from mshpc.data.shards import TokenDataset
+from mshpc.diagnose.collector import build_collector
 from mshpc.diagnose.mfu import mfu, peak_tflops
+from mshpc.diagnose.timers import phase
 from mshpc.errors import ConfigError, MshpcError
-from mshpc.faults import Fault, inject, parse_faults
+from mshpc.faults import Fault, inject, install_slowdown, parse_faults
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
@@ -93,14 +95,17 @@ def train_step(
     for i, micro in enumerate(micros):
         # bf16 autocast on GPU: the parameters and their gradients stay fp32, so the engine
         # accumulates and reduces gradients in fp32
-        with torch.autocast(rt.device.type, dtype=rt.autocast_dtype, enabled=rt.autocast_dtype is not None):
+        with phase("forward"), torch.autocast(rt.device.type, dtype=rt.autocast_dtype,
+                                              enabled=rt.autocast_dtype is not None):
             loss = loss_fn(engine.model(micro[:, :-1]), micro[:, 1:]) / cfg.train.grad_accum
-        engine.backward(loss, sync=i == len(micros) - 1)  # communicate on the last micro-batch only
+        with phase("backward"):
+            engine.backward(loss, sync=i == len(micros) - 1)  # communicate on the last micro-batch only
         loss_sum += loss.detach()
     # Started before step() queues the parameter all-gathers, so waiting for it (and the .item()
     # the loop does) never waits for them: they overlap the next forward.
     loss_reduce = comm.all_reduce(loss_sum, group=engine.group, async_op=True)
-    grad_norm = engine.step(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
+    with phase("optimizer"):
+        grad_norm = engine.step(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
     if loss_reduce is not None:
         loss_reduce.wait()
     return loss_sum / cfg.parallel.dp, grad_norm
@@ -141,7 +146,9 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                              engine, scheduler,
                              before_commit=lambda step: inject(faults, info.rank, step, "save"))
     start_step = ckpt.resume()
+    install_slowdown(engine.model, faults, info.rank, start_step, cfg.train.grad_accum)
     loader = build_data(cfg, info, mesh, start_step)
+    diag = build_collector(cfg, run_path(cfg), info.rank, info.node, rt.device, start_step, rt.peak_tflops)
     is_logger = info.rank == 0
     run_dir, metrics = create_run_dir(cfg, start_step) if is_logger else (None, None)
     progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "none")
@@ -150,20 +157,24 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     try:
         for step in range(start_step, cfg.train.steps):
             start, wait_before = time.perf_counter(), loader.wait_s
-            batch = next(loader)
+            diag.begin_step(step + 1)
+            with phase("data"):
+                batch = next(loader)
             inject(faults, info.rank, step)
             loss, grad_norm = step_fn(batch)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(loss.item())
-            blocking_s = ckpt.maybe_save(step + 1)
+            with phase("checkpoint"):  # stage 1; stage 2 overlaps the next steps
+                blocking_s = ckpt.maybe_save(step + 1)
             step_time_s = time.perf_counter() - start
             tokens_per_s = tokens_per_step / step_time_s
             step_mfu = mfu(tokens_per_s, cfg.model, info.world_size, rt.peak_tflops)
+            tflops = diag.end_step(step + 1, tokens_per_s)
             if metrics is not None and (step + 1) % cfg.run.log_interval_steps == 0:
                 metrics.write({
                     "step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
-                    "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu,
+                    "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu, "tflops": tflops,
                     "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
                 })
             progress.update(step, losses[-1], tokens_per_s, step_mfu)
@@ -175,6 +186,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                 watcher.stop(stop, info.rank, cfg)  # rank 0 requeues if asked; raises JobStopped
         ckpt.close()
     finally:
+        diag.close()
         loader.close()
         if metrics is not None:
             metrics.close()

@@ -15,6 +15,10 @@ attention term.
 
 from __future__ import annotations
 
+import collections
+import statistics
+from dataclasses import dataclass
+
 from mshpc.config import ModelConfig
 
 # Dense peak TFLOP/s per device and training dtype (vendor datasheets, SXM parts, no sparsity).
@@ -50,8 +54,46 @@ def peak_tflops(device_name: str, dtype: str) -> float | None:
     return None
 
 
+def achieved_tflops(tokens_per_s: float, m: ModelConfig, n_devices: int) -> float:
+    """Model TFLOP/s each device achieved (known without a peak, so a CPU run has it too)."""
+    return tokens_per_s * flops_per_token(m) / (1e12 * n_devices)
+
+
 def mfu(tokens_per_s: float, m: ModelConfig, n_devices: int, peak: float | None) -> float | None:
     """Achieved model FLOP/s over the peak of all devices; None when the peak is unknown."""
     if peak is None or peak <= 0:
         return None
-    return tokens_per_s * flops_per_token(m) / (peak * 1e12 * n_devices)
+    return achieved_tflops(tokens_per_s, m, n_devices) / peak
+
+
+@dataclass(frozen=True)
+class MfuDecline:
+    step: int
+    median_tflops: float  # the rolling median now
+    best_tflops: float  # the best rolling median of the run so far
+    drop: float  # 1 - median / best
+
+
+class MfuDeclineDetector:
+    """Flags an MFU decline: the rolling median of achieved TFLOP/s over `window_steps` falls
+    more than `decline` below the best rolling median of the run (MFU is TFLOP/s over a fixed
+    peak, so the two decline alike). One event per decline; it re-arms once the median recovers."""
+
+    def __init__(self, window_steps: int, decline: float) -> None:
+        self.decline = decline
+        self._window: collections.deque[float] = collections.deque(maxlen=window_steps)
+        self.best = 0.0
+        self._declined = False
+
+    def update(self, step: int, tflops: float) -> MfuDecline | None:
+        self._window.append(tflops)
+        if len(self._window) < (self._window.maxlen or 1):
+            return None
+        median = statistics.median(self._window)
+        self.best = max(self.best, median)
+        low = median < (1 - self.decline) * self.best
+        if low and not self._declined:
+            self._declined = True
+            return MfuDecline(step, median, self.best, 1 - median / self.best)
+        self._declined = low
+        return None

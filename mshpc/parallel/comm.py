@@ -1,7 +1,9 @@
-"""Every collective mshpc issues goes through here, so the flight recorder sees all of them.
+"""Every collective mshpc issues goes through here, so the flight recorder and the phase timers
+see all of them: each wrapper issues its op through `_collective`.
 
 The recorder is a small per-process ring buffer of (sequence number, group, op, bytes): on a
-hang it tells which collective each rank last entered.
+hang it tells which collective each rank last entered. The timers time each op as the phase
+"comm.<op>" (mshpc/diagnose/timers.py): the call, and for an async op the wait on its handle.
 """
 
 from __future__ import annotations
@@ -11,11 +13,12 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from mshpc.diagnose.timers import COMM_PREFIX, TIMERS
 from mshpc.errors import MshpcError
 
 RECORDER_DEPTH = 256
@@ -55,21 +58,54 @@ def _name(group: dist.ProcessGroup | None) -> str:
     return "world" if group is None else dist.get_process_group_ranks(group).__repr__()
 
 
+class Timed:
+    """An async op's handle whose wait() is timed as the op's phase: the time the caller is
+    blocked on it (on GPU, the time its stream waits for the collective's)."""
+
+    __slots__ = ("_work", "_phase")
+
+    def __init__(self, work: Any, phase: str) -> None:
+        self._work, self._phase = work, phase
+
+    def wait(self) -> bool:
+        with TIMERS.phase(self._phase):
+            return self._work.wait()
+
+    def __getattr__(self, name: str) -> Any:  # is_completed(), get_future(), ... of the op's own
+        return getattr(self._work, name)
+
+
+_Handle = TypeVar("_Handle")
+
+
+def _collective(
+    group: dist.ProcessGroup | None, op: str, nbytes: int, issue: Callable[[], _Handle], peer: str = ""
+) -> _Handle | Timed:
+    """The one door of every op here: record it for the flight recorder (point-to-point ops
+    with their `peer`, e.g. "send->3"), time it as phase "comm.<op>", and return its handle
+    (None for a blocking op) with a timed wait()."""
+    RECORDER.record(_name(group), op + peer, nbytes)
+    phase = COMM_PREFIX + op
+    with TIMERS.phase(phase):
+        handle = issue()
+    return handle if handle is None or not TIMERS.enabled else Timed(handle, phase)
+
+
 def all_reduce(
     tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op: bool = False,
-) -> dist.Work | None:
+) -> Pending | None:
     """Collective over `group` (all ranks of the world when None)."""
-    RECORDER.record(_name(group), "all_reduce", tensor.numel() * tensor.element_size())
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _collective(group, "all_reduce", tensor.numel() * tensor.element_size(),
+                       lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
 def broadcast(
     tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False
-) -> dist.Work | None:
+) -> Pending | None:
     """Collective over `group`; `src` is a global rank."""
-    RECORDER.record(_name(group), "broadcast", tensor.numel() * tensor.element_size())
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _collective(group, "broadcast", tensor.numel() * tensor.element_size(),
+                       lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op))
 
 
 # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor to *_single (same
@@ -96,8 +132,8 @@ class Pieces:
         return True
 
 
-# What an async collective returns; both kinds have wait().
-Pending = dist.Work | Pieces
+# What an async collective returns; each kind has wait().
+Pending = dist.Work | Pieces | Timed
 
 # Gloo moves one large message per peer at ~2/3 of the link rate when both directions are busy;
 # messages of at most this size reach it. Measured, 2 ranks over a 1 Gbit/s veth, 4 MiB to each
@@ -118,7 +154,12 @@ def reduce_scatter(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input.view_as(output))
         return None
-    RECORDER.record(_name(group), "reduce_scatter", input.numel() * input.element_size())
+    return _collective(group, "reduce_scatter", input.numel() * input.element_size(),
+                       lambda: _reduce_scatter(output, input, size, group, async_op))
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int, group: dist.ProcessGroup | None,
+                    async_op: bool) -> Pending | None:
     if dist.get_backend(group) == "gloo":
         return _finish(_reduce_scatter_gloo(output.view(-1), input.view(size, -1), group), async_op)
     return _reduce_scatter_single(output, input, group=group, async_op=async_op)
@@ -151,7 +192,12 @@ def all_gather(
     if size == 1:
         output.copy_(input.view_as(output))
         return None
-    RECORDER.record(_name(group), "all_gather", output.numel() * output.element_size())
+    return _collective(group, "all_gather", output.numel() * output.element_size(),
+                       lambda: _all_gather(output, input, size, group, async_op))
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, size: int, group: dist.ProcessGroup | None,
+                async_op: bool) -> Pending | None:
     if dist.get_backend(group) == "gloo":
         return _finish(_all_gather_gloo(output.view(size, -1), input.reshape(-1), group), async_op)
     return _all_gather_single(output, input, group=group, async_op=async_op)
@@ -184,14 +230,14 @@ def _finish(done: Pieces, async_op: bool) -> Pieces | None:
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> dist.Work:
     """Point-to-point: start sending `tensor` to global rank `dst` of `group`; the tensor must
     stay untouched until the returned work is waited on."""
-    RECORDER.record(_name(group), f"send->{dst}", tensor.numel() * tensor.element_size())
-    return dist.isend(tensor, dst=dst, group=group)
+    return _collective(group, "send", tensor.numel() * tensor.element_size(),
+                       lambda: dist.isend(tensor, dst=dst, group=group), peer=f"->{dst}")
 
 
 def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> dist.Work:
     """Point-to-point: start receiving into `tensor` from global rank `src` of `group`."""
-    RECORDER.record(_name(group), f"recv<-{src}", tensor.numel() * tensor.element_size())
-    return dist.irecv(tensor, src=src, group=group)
+    return _collective(group, "recv", tensor.numel() * tensor.element_size(),
+                       lambda: dist.irecv(tensor, src=src, group=group), peer=f"<-{src}")
 
 
 def all_to_all(
@@ -199,24 +245,26 @@ def all_to_all(
 ) -> dist.Work | None:
     """Collective over `group`: chunk j of `input` goes to rank j; chunk i of `output` comes from
     rank i (equal chunks, contiguous tensors)."""
-    RECORDER.record(_name(group), "all_to_all", input.numel() * input.element_size())
-    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    return _collective(group, "all_to_all", input.numel() * input.element_size(),
+                       lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op))
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
     """Point to point, called by this rank and each peer it names (global ranks): post every send
     and receive at once, so that two peers sending to each other do not deadlock, and wait."""
     ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends] + [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    for tensor, peer in sends:
-        RECORDER.record(f"p2p to {peer}", "send", tensor.numel() * tensor.element_size())
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    peers = ",".join(str(peer) for _, peer in sends)
+    nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
+    def post_and_wait() -> None:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    _collective(None, "batch_isend_irecv", nbytes, post_and_wait, peer=f"->{peers}")
 
 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Collective over `group`."""
-    RECORDER.record(_name(group), "barrier", 0)
-    dist.barrier(group=group)
+    _collective(group, "barrier", 0, lambda: dist.barrier(group=group))
 
 
 def raise_if_any_failed(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
@@ -237,16 +285,14 @@ def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    RECORDER.record(_name(group), "all_gather", 8 * world)
-    dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
+    count = torch.tensor([payload.numel()])
+    _collective(group, "all_gather", 8 * world, lambda: dist.all_gather(sizes, count, group=group))
     longest = int(max(s.item() for s in sizes))
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    RECORDER.record(_name(group), "all_gather", longest * world)
-    dist.all_gather(gathered, padded, group=group)
+    _collective(group, "all_gather", longest * world, lambda: dist.all_gather(gathered, padded, group=group))
     return [json.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes)]
-
 
 
 def broadcast_json(value: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mshpc.config import Config, ModelConfig
+from mshpc.diagnose.timers import BACKWARD, FORWARD, OPTIMIZER, phase
 from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn, parallelize
@@ -169,11 +170,11 @@ class PipelineRunner:
             x = micro[:, :-1]
         else:
             x = self._landed(Action("recv_act", a.micro, a.stage), state).requires_grad_()
-        with torch.autocast(x.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+        with phase(FORWARD), torch.autocast(x.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             out = self.chunks[a.stage // self.shape.pp](x)
-        if a.stage == self.shape.stages - 1:
-            out = self.loss_fn(out, micro[:, 1:]) / self.shape.micro_batches
-            state.loss_sum += out.detach()
+            if a.stage == self.shape.stages - 1:
+                out = self.loss_fn(out, micro[:, 1:]) / self.shape.micro_batches
+                state.loss_sum += out.detach()
         state.inputs[a.micro, a.stage], state.outputs[a.micro, a.stage] = x, out
         self.peak_live = max(self.peak_live, len(state.inputs))
 
@@ -182,7 +183,8 @@ class PipelineRunner:
         if a.stage < self.shape.stages - 1:
             grad = self._landed(Action("recv_grad", a.micro, a.stage), state)
         out = state.outputs.pop((a.micro, a.stage))  # a send still in flight holds its own reference
-        self.engine.backward(out, sync=self.last_backward[a.stage] == a, grad=grad, flush=a == self.final)
+        with phase(BACKWARD):
+            self.engine.backward(out, sync=self.last_backward[a.stage] == a, grad=grad, flush=a == self.final)
         x = state.inputs.pop((a.micro, a.stage))
         if a.stage > 0:
             state.input_grads[a.micro, a.stage] = x.grad
@@ -235,7 +237,8 @@ def pipeline_train_step(pipe: Pipeline, batch: torch.Tensor, cfg: Config) -> tup
     # Only the last stage has a loss; a world all-reduce of a scalar reports it everywhere, and
     # started before step() it overlaps the step's collectives.
     loss_reduce = comm.all_reduce(loss_sum, async_op=True)
-    grad_norm = pipe.engine.step(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
+    with phase(OPTIMIZER):
+        grad_norm = pipe.engine.step(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
     if loss_reduce is not None:
         loss_reduce.wait()
     return loss_sum / (cfg.world_size // cfg.parallel.pp), grad_norm

@@ -50,6 +50,8 @@ BAD = [
     (["model.sliding_window=0"], "model.sliding_window=0 must be >= 1 or null"),
     (["model=3"], "override 'model' names a section"),
     (["optim.lr"], "override 'optim.lr' must look like section.key=value"),
+    (["diagnose.straggler_threshold=1.1"], "diagnose.straggler_threshold=1.1 must be between 0 and 1"),
+    (["diagnose.mfu_window_steps=0"], "diagnose.mfu_window_steps=0 must be >= 1"),
 ]
 
 

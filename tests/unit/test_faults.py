@@ -1,9 +1,46 @@
-"""The test-only fault spec (MSHPC_TEST_FAULTS): the preflight kinds carry no step."""
+"""The test-only fault spec (MSHPC_TEST_FAULTS): the preflight kinds carry no step, and the
+`slow` kind makes a forward really take longer."""
+
+import time
 
 import pytest
+import torch
+from torch import nn
 
 from mshpc.errors import ConfigError
-from mshpc.faults import Fault, parse_faults, planned
+from mshpc.faults import Fault, install_slowdown, parse_faults, planned
+
+FORWARD_S = 0.02
+
+
+class Sleepy(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(FORWARD_S)
+        return x
+
+
+def test_slow_spec_parses_and_bad_ones_say_how():
+    assert parse_faults("slow:rank=1:step=50:factor=1.15;kill:rank=0:step=3") == (
+        Fault("slow", 1, 50, 1.15), Fault("kill", 0, 3))
+    for bad, says in (("slow:rank=1:step=5", "slow: also :factor=F"), ("slow:rank=1:step=5:factor=0.5", ">= 1"),
+                      ("kill:rank=0:step=1:factor=2", "KIND:rank=R:step=S")):
+        with pytest.raises(ConfigError, match=says):
+            parse_faults(bad)
+
+
+def test_forwards_of_the_slow_rank_take_factor_times_as_long_from_its_step(monkeypatch):
+    real_sleep, asked = time.sleep, []
+    monkeypatch.setattr(time, "sleep", lambda s: (asked.append(s), real_sleep(s)))
+    model = Sleepy()
+    # resumed at step 1 with 2 forwards per step: forwards 1 and 2 are step 1, 3 and 4 step 2 (slow)
+    install_slowdown(model, parse_faults("slow:rank=3:step=2:factor=3;slow:rank=0:step=0:factor=9"),
+                     rank=3, start_step=1, forwards_per_step=2)
+    for _ in range(4):
+        model(torch.zeros(1))
+    own = [s == FORWARD_S for s in asked]
+    assert own == [True, True, True, False, True, False]  # the injector sleeps after forwards 3 and 4 only
+    # each of its sleeps is (factor - 1) x the forward it follows: at least 2 x 20 ms
+    assert all(s >= 2 * FORWARD_S for s, mine in zip(asked, own) if not mine)
 
 
 def test_preflight_faults_name_a_rank_and_no_step():

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mshpc.config import load_config
-from mshpc.diagnose.mfu import flops_per_token, mfu, peak_tflops
+from mshpc.diagnose.mfu import MfuDeclineDetector, achieved_tflops, flops_per_token, mfu, peak_tflops
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -26,6 +26,54 @@ def test_1_3b_matches_narayanan_and_hand_value():
     assert flops_per_token(m) == pytest.approx(narayanan(24, 2048, 2048, 50304), rel=1e-12)
     # by hand: 72*24*2048^2 = 7.2478e9; x (1 + 1/6 + 50304/589824) = 1.25195
     assert flops_per_token(m) == pytest.approx(9.0739e9, rel=1e-4)
+
+
+def test_175b_term_by_term_by_hand():
+    # configs/gpt-175b.yaml: l=96, h=12288, s=2048, V=64000, MLP 4h. Per layer and token, forward:
+    #   GEMMs     2 * (3h^2 QKV + h^2 out + 2*4h^2 MLP) = 24 h^2 = 24 * 150,994,944 = 3,623,878,656
+    #   attention 2 * 2 * s * h (QK^T and AV)            = 4 * 2048 * 12288        =   100,663,296
+    #   layer total                                                                = 3,724,541,952
+    # 96 layers: 357,556,027,392; logits 2 h V = 2 * 12288 * 64000 = 1,572,864,000
+    # forward 359,128,891,392; forward + backward (2x forward) = x3 = 1,077,386,674,176
+    m = load_config(REPO / "configs/gpt-175b.yaml").model
+    assert flops_per_token(m) == 1_077_386_674_176
+
+
+def test_1_3b_term_by_term_by_hand():
+    # configs/gpt-1.3b.yaml: l=24, h=2048, s=2048, V=50304. Per layer and token, forward:
+    #   GEMMs 24 h^2 = 24 * 4,194,304 = 100,663,296; attention 4 s h = 16,777,216; sum 117,440,512
+    # 24 layers: 2,818,572,288; logits 2 * 2048 * 50304 = 206,045,184; forward 3,024,617,472
+    # x3 = 9,073,852,416
+    m = load_config(REPO / "configs/gpt-1.3b.yaml").model
+    assert flops_per_token(m) == 9_073_852_416
+    # a window of 512 keys: attention 4 * 512 * 2048 = 4,194,304 per layer instead of 16,777,216,
+    # so 3 * 24 * (16,777,216 - 4,194,304) = 905,969,664 FLOPs fewer per token
+    windowed = dataclasses.replace(m, sliding_window=512)
+    assert flops_per_token(m) - flops_per_token(windowed) == 905_969_664
+
+
+def test_mfu_by_hand_for_1_3b_on_8_h100():
+    # 9,073,852,416 FLOPs/token * 400,000 tokens/s / 8 devices = 453.69 TFLOP/s per device;
+    # over the H100's dense bf16 peak of 989: MFU 0.45874
+    m = load_config(REPO / "configs/gpt-1.3b.yaml").model
+    assert achieved_tflops(400_000, m, 8) == pytest.approx(453.6926208)
+    assert mfu(400_000, m, 8, peak_tflops("NVIDIA H100 80GB HBM3", "bf16")) == pytest.approx(453.6926208 / 989)
+
+
+def test_mfu_decline_detector_flags_a_10_percent_drop_once_and_not_noise():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    detector = MfuDeclineDetector(window_steps=20, decline=0.1)
+    healthy = [detector.update(s, 100 * rng.lognormal(0, 0.05)) for s in range(1000)]
+    assert healthy.count(None) == 1000  # 5% noise, one-step dips: never a decline
+    declines = [d for s in range(1000, 1100) if (d := detector.update(s, 85 * rng.lognormal(0, 0.05)))]
+    assert len(declines) == 1 and 1000 < declines[0].step <= 1020
+    assert declines[0].drop == pytest.approx(0.15, abs=0.04)
+    # back to health re-arms it: a second decline is a second event
+    for s in range(1100, 1150):
+        detector.update(s, 100.0)
+    assert any(detector.update(s, 80.0) for s in range(1150, 1200))
 
 
 def test_sliding_window_reduces_only_the_attention_term():

@@ -1,0 +1,77 @@
+"""The train loop's side of diagnosis: time each step, hand it to the timings thread, and on
+rank 0 watch achieved TFLOP/s (MFU declines) and every rank's timings (stragglers)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from mshpc.config import Config
+from mshpc.diagnose.mfu import MfuDeclineDetector, achieved_tflops
+from mshpc.diagnose.stragglers import StragglerWatch
+from mshpc.diagnose.timers import TIMERS
+from mshpc.diagnose.timings import RankInfo, TimingsWriter, header, rank_file
+from mshpc.events import append_event
+from mshpc.parallel.mesh import MeshShape
+
+log = logging.getLogger(__name__)
+
+
+class Collector:
+    """Built by `build_collector`; every rank calls begin_step / end_step around each step and
+    close() at the end. Never communicates."""
+
+    def __init__(self, cfg: Config, run_dir: Path, writer: TimingsWriter | None,
+                 mfu_watch: MfuDeclineDetector | None, straggler_watch: StragglerWatch | None,
+                 peak_tflops: float | None) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.writer, self.mfu_watch, self.straggler_watch = writer, mfu_watch, straggler_watch
+        self.peak_tflops = peak_tflops
+
+    def begin_step(self, step: int) -> None:
+        TIMERS.begin_step(step)
+
+    def end_step(self, step: int, tokens_per_s: float) -> float:
+        """Close the step's timers; returns the model TFLOP/s each device achieved."""
+        spans = TIMERS.end_step()
+        if spans is not None and self.writer is not None:
+            self.writer.put(spans)
+        tflops = achieved_tflops(tokens_per_s, self.cfg.model, self.cfg.world_size)
+        decline = self.mfu_watch.update(step, tflops) if self.mfu_watch is not None else None
+        if decline is not None:
+            peak = self.peak_tflops
+            log.warning("MFU decline at step %d: %.3g TFLOP/s, %.0f%% below the run's best", step,
+                        decline.median_tflops, 100 * decline.drop)
+            append_event(self.run_dir, "mfu_decline", **decline.__dict__,
+                         mfu=decline.median_tflops / peak if peak else None,
+                         best_mfu=decline.best_tflops / peak if peak else None)
+        return tflops
+
+    def close(self) -> None:
+        """Write what is queued; rank 0 then looks once more for stragglers."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        if self.straggler_watch is not None:
+            self.straggler_watch.poll()
+
+
+def build_collector(cfg: Config, run_dir: Path, rank: int, host: str, device: torch.device,
+                    start_step: int, peak_tflops: float | None) -> Collector:
+    """Configure this process's timers and start its timings thread (rank 0: and the watches)."""
+    d = cfg.diagnose
+    TIMERS.configure(d.timers, device)
+    p = cfg.parallel
+    coords = MeshShape(pp=p.pp, dp=p.dp, tp=p.tp).coords(rank)
+    straggler_watch = None
+    if rank == 0 and d.timers and d.straggler_check_interval_steps:
+        straggler_watch = StragglerWatch(run_dir, cfg.world_size, d, start_step)
+    writer = None
+    if d.timers:
+        head = header(RankInfo(rank, host, coords), TIMERS.clock_name, start_step)
+        writer = TimingsWriter(rank_file(run_dir, rank), head, d.flush_interval_s,
+                               straggler_watch.after_write if straggler_watch else lambda step: None)
+    mfu_watch = MfuDeclineDetector(d.mfu_window_steps, d.mfu_decline) if rank == 0 else None
+    return Collector(cfg, run_dir, writer, mfu_watch, straggler_watch, peak_tflops)

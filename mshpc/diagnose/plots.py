@@ -1,0 +1,125 @@
+"""The report's figures, drawn with matplotlib (Agg: no display needed) into PNG files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; must precede pyplot's import
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mshpc.diagnose.analysis import Analysis, tflops_series  # noqa: E402
+from mshpc.diagnose.timers import CATEGORIES  # noqa: E402
+from mshpc.diagnose.timings import RankInfo  # noqa: E402
+
+DPI = 110
+COLOURS = {"compute": "#4878d0", "communication": "#ee854a", "data wait": "#6acc64", "bubble": "#d65f5f",
+           "checkpoint": "#956cb4", "other": "#bbbbbb"}
+SLOW = "#c0392b"  # a straggler's label
+MAX_LABELLED_RANKS = 64  # past this, per-rank labels would overprint
+
+
+def rank_label(info: RankInfo) -> str:
+    c = info.coords
+    return f"r{info.rank} {info.host} (dp{c.dp} tp{c.tp} pp{c.pp})"
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def loss_and_mfu(a: Analysis, path: Path) -> Path:
+    """Loss, and MFU (or achieved TFLOP/s per device where no peak is known) over steps."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    logged = [r for r in a.metrics if r.get("loss") is not None]
+    top.plot([r["step"] for r in logged], [r["loss"] for r in logged], color="#333333", lw=1)
+    top.set_ylabel("loss")
+    mfu = [(r["step"], r["mfu"]) for r in a.metrics if r.get("mfu") is not None]
+    if mfu:
+        bottom.plot(*zip(*mfu), color=COLOURS["compute"], lw=1)
+        bottom.set_ylabel("MFU")
+    else:
+        bottom.plot(*tflops_series(a), color=COLOURS["compute"], lw=1)
+        bottom.set_ylabel("TFLOP/s per device\n(no peak known: no MFU)")
+    for e in a.events:
+        if e.get("kind") == "mfu_decline":
+            bottom.axvline(e["step"], color=SLOW, ls="--", lw=1)
+    bottom.set_xlabel("step")
+    top.set_title("loss and MFU" + ("  (dashed: MFU decline events)" if any(
+        e.get("kind") == "mfu_decline" for e in a.events) else ""))
+    return _save(fig, path)
+
+
+def compute_heatmap(a: Analysis, path: Path) -> Path:
+    """Per-rank compute time over steps: the straggler view (MegaScale Fig. 10)."""
+    t = a.timings
+    assert t is not None
+    compute = t.category("compute") * 1e3  # (ranks, steps) ms
+    cols = a.steady_columns
+    lo, hi = np.nanpercentile(compute[:, cols], [1, 99])
+    height = 1.5 + 0.3 * min(len(t.ranks), MAX_LABELLED_RANKS)
+    fig, ax = plt.subplots(figsize=(9, height))
+    image = ax.imshow(compute, aspect="auto", interpolation="nearest", cmap="magma", vmin=lo, vmax=hi,
+                      extent=(t.steps[0] - 0.5, t.steps[-1] + 0.5, len(t.ranks) - 0.5, -0.5))
+    fig.colorbar(image, ax=ax, label="compute per step (ms)")
+    slow = {s.rank for s in a.stragglers}
+    if len(t.ranks) <= MAX_LABELLED_RANKS:
+        ax.set_yticks(range(len(t.ranks)), [rank_label(r) + ("  ◀ straggler" if r.rank in slow else "")
+                                            for r in t.ranks])
+        for label, info in zip(ax.get_yticklabels(), t.ranks):
+            if info.rank in slow:
+                label.set_color(SLOW)
+                label.set_fontweight("bold")
+    ax.set_xlabel("step")
+    ax.set_title("compute time per rank and step (bright = slow)")
+    return _save(fig, path)
+
+
+def phase_breakdown(a: Analysis, path: Path) -> Path:
+    """Seconds per step of each category, per rank, stacked."""
+    ranks = sorted(a.ranks, key=lambda r: r.info.rank)
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.35 * min(len(ranks), MAX_LABELLED_RANKS)))
+    left = np.zeros(len(ranks))
+    for cat in CATEGORIES:
+        width = np.array([r.categories[cat] for r in ranks]) * 1e3
+        ax.barh(range(len(ranks)), width, left=left, color=COLOURS[cat], label=cat)
+        left += width
+    if len(ranks) <= MAX_LABELLED_RANKS:
+        ax.set_yticks(range(len(ranks)), [rank_label(r.info) for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("median ms per step")
+    ax.legend(ncol=3, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    return _save(fig, path)
+
+
+def mesh_view(a: Analysis, path: Path) -> Path:
+    """One panel per pipeline stage, dp rows x tp columns; each cell a rank, coloured by its
+    relative compute score, with the peer it waits on most (its slowest dependency)."""
+    p = a.cfg.parallel
+    by_coords = {r.info.coords: r for r in a.ranks}
+    fig, axes = plt.subplots(1, p.pp, figsize=(min(4 + 2.2 * p.tp * p.pp, 18), 1 + 1.1 * p.dp), squeeze=False)
+    norm = plt.Normalize(0.5, 1.0)
+    cmap = plt.get_cmap("RdYlGn")
+    labelled = a.cfg.world_size <= MAX_LABELLED_RANKS
+    for stage, ax in enumerate(axes[0]):
+        grid = np.full((p.dp, p.tp), np.nan)
+        for c, r in by_coords.items():
+            if c.pp == stage:
+                grid[c.dp, c.tp] = r.relative_score
+        ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
+        ax.set_title(f"mesh dp={p.dp} tp={p.tp} pp={p.pp}: stage pp={stage}")
+        ax.set_xticks(range(p.tp), [f"tp{t}" for t in range(p.tp)])
+        ax.set_yticks(range(p.dp), [f"dp{d}" for d in range(p.dp)])
+        for coords, r in by_coords.items():
+            if coords.pp == stage and labelled:
+                dep = f"\nwaits on r{r.dependency.rank} ({r.dependency.group})" if r.dependency else ""
+                ax.text(coords.tp, coords.dp, f"r{r.info.rank} {r.info.host}\nscore {r.relative_score:.2f}{dep}",
+                        ha="center", va="center", fontsize=7)
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[0].tolist(),
+                 label="relative compute score (1 = the other ranks' median)")
+    return _save(fig, path)

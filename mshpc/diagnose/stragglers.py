@@ -1,0 +1,234 @@
+"""Straggler detection: which rank is persistently slower than its peers.
+
+Two scores per step, rank and phase, after NVIDIA's resiliency extension (nvidia-resiliency-ext,
+straggler detection: "relative" and "individual" performance scores, 1.0 = as fast as the
+reference, 0.5 = twice as slow):
+
+- relative: the median of the other ranks' times in the phase over this rank's time (the
+  extension compares with the best rank; a median is not fooled by one lucky rank);
+- individual: the rank's best median over a window of its own history over its median of the
+  last window (the extension's reference is the rank's best performance, too).
+
+Times below `floor` x the step's median duration count as that floor, so that jitter in a phase
+that is nearly empty (data wait, usually) is not slowness. A rank is a straggler while the
+rolling median (over `window_steps`) of its relative score falls below `threshold` for its own
+work: compute, or data wait. Communication and bubble are not scored for blame: a collective
+lasts until its slowest member arrives, so the healthy ranks are the ones that wait longest.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mshpc.config import DiagnoseConfig, load_config
+from mshpc.diagnose.timers import category
+from mshpc.diagnose.timings import (RankInfo, Timings, is_header, parse_lines, rank_file, rank_info, read_timings,
+                                    to_arrays)
+from mshpc.events import append_event
+
+log = logging.getLogger(__name__)
+
+BLAMED = ("compute", "data wait")  # the categories that are a rank's own work
+
+
+def median_of_others(seconds: np.ndarray) -> np.ndarray:
+    """(ranks, ...) -> for each rank, the median of the other ranks (of itself when alone).
+    Leaving the rank out lets two ranks tell which of them is slow, and changes nothing at scale."""
+    n = seconds.shape[0]
+    if n == 1:
+        return seconds
+    order = np.argsort(seconds, axis=0)
+    ordered = np.take_along_axis(seconds, order, axis=0)
+    position = np.argsort(order, axis=0)  # where each rank sits in the sorted order
+
+    def others_at(j: int) -> np.ndarray:  # the j-th smallest among the other ranks
+        return np.take_along_axis(ordered, np.where(j < position, j, j + 1), axis=0)
+
+    return (others_at((n - 2) // 2) + others_at((n - 1) // 2)) / 2
+
+
+def relative_scores(seconds: np.ndarray, floor: np.ndarray | float) -> np.ndarray:
+    """(ranks, ...) seconds -> the other ranks' median time over each rank's, both at least `floor`."""
+    return np.maximum(median_of_others(seconds), floor) / np.maximum(seconds, floor)
+
+
+def individual_scores(history: np.ndarray, window: int, floor: float) -> np.ndarray | None:
+    """(steps, ranks) seconds, oldest first -> each rank's best (lowest) median over any `window`
+    steps of its history, over its median of the last `window` (None with under two windows)."""
+    if len(history) < 2 * window:
+        return None
+    windows = np.lib.stride_tricks.sliding_window_view(history, window, axis=0)  # (n, ranks, window)
+    best = np.nanmin(np.nanmedian(windows, axis=2), axis=0)
+    recent = np.nanmedian(history[-window:], axis=0)
+    return np.maximum(best, floor) / np.maximum(recent, floor)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank the detector blames, as an event and for the supervisor (issue #7) to evict."""
+
+    rank: int
+    host: str
+    dp: int
+    tp: int
+    pp: int
+    since_step: int  # the step at which it was first flagged in this stretch
+    step: int  # the latest step seen
+    category: str  # "compute" or "data wait"
+    phase: str  # the phase of that category with the largest excess over the other ranks' median
+    relative_score: float  # rolling median; 0.87: 15% slower than the other ranks' median
+    individual_score: float | None  # vs its own history; None while there is too little of it
+
+
+class StragglerDetector:
+    """Fed one step of every rank at a time, in step order; tracks who is a straggler now."""
+
+    def __init__(self, cfg: DiagnoseConfig, ranks: list[RankInfo]) -> None:
+        self.cfg, self.ranks = cfg, ranks
+        self._relative = {c: collections.deque(maxlen=cfg.straggler_window_steps) for c in BLAMED}
+        self._seconds = {c: collections.deque(maxlen=cfg.straggler_history_steps) for c in BLAMED}
+        self.flagged: dict[int, Straggler] = {}  # by index in `ranks`
+        self.last_step = -1
+        self._floor = 0.0
+
+    def update(self, step: int, step_s: np.ndarray, phases: dict[str, np.ndarray]) -> list[Straggler]:
+        """One step: (ranks,) step seconds and {phase: (ranks,) seconds}; returns the ranks newly
+        flagged at this step."""
+        self.last_step = step
+        floor = self._floor = self.cfg.straggler_floor * float(np.nanmedian(step_s))
+        flagged_now: dict[int, Straggler] = {}
+        for cat in BLAMED:
+            seconds = sum((v for p, v in phases.items() if category(p) == cat), np.zeros(len(self.ranks)))
+            self._relative[cat].append(relative_scores(seconds, floor))
+            self._seconds[cat].append(seconds)
+            if len(self._relative[cat]) < self.cfg.straggler_window_steps:
+                continue
+            rolling = np.median(np.stack(self._relative[cat]), axis=0)  # (ranks,)
+            for r in map(int, np.flatnonzero(rolling < self.cfg.straggler_threshold)):
+                if r not in self.flagged and r not in flagged_now:
+                    flagged_now[r] = self._flag(r, step, cat, float(rolling[r]), phases, floor)
+            # Recovered only halfway back to 1 (hysteresis), so that a rank that hovers at the
+            # threshold is one event, not one per crossing; a new slowdown is a new event.
+            recovered = 1 - (1 - self.cfg.straggler_threshold) / 2
+            for r in list(self.flagged):
+                if self.flagged[r].category == cat and rolling[r] >= recovered:
+                    del self.flagged[r]
+        self.flagged.update(flagged_now)
+        return list(flagged_now.values())
+
+    def _flag(self, r: int, step: int, cat: str, score: float, phases: dict[str, np.ndarray],
+              floor: float) -> Straggler:
+        excess = {p: v[r] - median_of_others(v)[r] for p, v in phases.items() if category(p) == cat}
+        info = self.ranks[r]
+        return Straggler(rank=info.rank, host=info.host, dp=info.coords.dp, tp=info.coords.tp,
+                         pp=info.coords.pp, since_step=step, step=step, category=cat,
+                         phase=max(excess, key=excess.__getitem__), relative_score=round(score, 4),
+                         individual_score=self._individual(r, cat, floor))
+
+    def _individual(self, r: int, cat: str, floor: float) -> float | None:
+        scores = individual_scores(np.stack(self._seconds[cat]), self.cfg.straggler_window_steps, floor)
+        return None if scores is None else round(float(scores[r]), 4)
+
+    def current(self) -> list[Straggler]:
+        """Who is flagged now, slowest first, with the scores and step of the latest step."""
+        out = []
+        for index, s in self.flagged.items():
+            rolling = float(np.median(np.stack(self._relative[s.category])[:, index]))
+            out.append(dataclasses.replace(s, step=self.last_step, relative_score=round(rolling, 4),
+                                           individual_score=self._individual(index, s.category, self._floor)))
+        return sorted(out, key=lambda s: s.relative_score)
+
+
+def detect(timings: Timings, cfg: DiagnoseConfig) -> tuple[StragglerDetector, list[Straggler]]:
+    """Run the detector over a whole run; (its final state, every flag in order). Steps that not
+    every rank has recorded yet are left out."""
+    detector = StragglerDetector(cfg, timings.ranks)
+    complete = ~np.isnan(timings.step_s).any(axis=0)
+    flags: list[Straggler] = []
+    for col in np.flatnonzero(complete):
+        phases = {p: v[:, col] for p, v in timings.phases.items()}
+        flags += detector.update(int(timings.steps[col]), timings.step_s[:, col], phases)
+    return detector, flags
+
+
+def eviction_candidates(run_dir: Path, cfg: DiagnoseConfig | None = None) -> list[Straggler]:
+    """The ranks that are stragglers at the latest step every rank has recorded, slowest first,
+    each with its host and (dp, tp, pp): what the supervisor evicts. Reads timings/ (and the
+    run's config.yaml for the thresholds, unless `cfg` is given); no process group needed."""
+    timings = read_timings(run_dir)
+    if timings is None:
+        return []
+    if cfg is None:
+        saved = run_dir / "config.yaml"
+        cfg = load_config(saved).diagnose if saved.exists() else DiagnoseConfig()
+    return detect(timings, cfg)[0].current()
+
+
+class StragglerWatch:
+    """Rank 0's live detector, on its timings thread: every `straggler_check_interval_steps` it
+    reads what each rank's file gained since the last look and feeds the steps every rank has
+    written; each newly flagged rank becomes a `straggler` event."""
+
+    def __init__(self, run_dir: Path, world_size: int, cfg: DiagnoseConfig, start_step: int) -> None:
+        self.run_dir, self.world_size, self.cfg = run_dir, world_size, cfg
+        self._offsets = [0] * world_size
+        self._partial = [""] * world_size
+        self._pending: dict[int, dict[int, dict]] = collections.defaultdict(dict)  # step -> rank -> record
+        self._infos: dict[int, RankInfo] = {}
+        self._detector: StragglerDetector | None = None
+        self._next_step = start_step + 1  # earlier steps were judged by the process that trained them
+
+    def after_write(self, step: int) -> None:
+        interval = self.cfg.straggler_check_interval_steps
+        if interval and step % interval == 0:
+            self.poll()
+
+    def poll(self) -> list[Straggler]:
+        """Read, detect, append events; returns the ranks newly flagged."""
+        for rank in range(self.world_size):
+            self._read_new(rank)
+        if len(self._infos) < self.world_size:
+            return []
+        if self._detector is None:
+            self._detector = StragglerDetector(self.cfg, [self._infos[r] for r in range(self.world_size)])
+        flagged = []
+        for step in sorted(s for s, recs in self._pending.items() if len(recs) == self.world_size):
+            records = self._pending.pop(step)
+            if step < self._next_step:
+                continue  # a step trained again after a restart: the detector moved on
+            timings = to_arrays([(self._infos[r], {step: records[r]}) for r in range(self.world_size)])
+            phases = {p: v[:, 0] for p, v in timings.phases.items()}
+            flagged += self._detector.update(step, timings.step_s[:, 0], phases)
+            self._next_step = step + 1
+        for s in flagged:
+            log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
+                        s.rank, s.host, s.dp, s.tp, s.pp, s.category, s.relative_score, s.since_step)
+            append_event(self.run_dir, "straggler", evict_candidate=True, **s.__dict__)
+        return flagged
+
+    def _read_new(self, rank: int) -> None:
+        path = rank_file(self.run_dir, rank)
+        if not path.exists():
+            return
+        with path.open("rb") as f:
+            f.seek(self._offsets[rank])
+            chunk = f.read()
+        self._offsets[rank] += len(chunk)
+        text = self._partial[rank] + chunk.decode()
+        lines = text.split("\n")
+        self._partial[rank] = lines.pop()  # the part after the last newline: not written whole yet
+        starts = [i for i, line in enumerate(lines) if is_header(line)]
+        if starts:  # a (re)start of this rank: what it wrote before belongs to an earlier process
+            headers, _ = parse_lines(lines[starts[-1]:starts[-1] + 1])
+            self._infos[rank] = rank_info(headers[0])
+            lines = lines[starts[-1] + 1:]
+            for records in self._pending.values():
+                records.pop(rank, None)
+        for step, record in parse_lines(lines)[1].items():
+            self._pending[step][rank] = record

@@ -1,0 +1,52 @@
+"""Synthetic per-rank timings of a synchronous job on a 2 x 2 x 2 mesh, for the diagnosis tests."""
+
+import json
+
+import numpy as np
+
+from mshpc.diagnose.timings import RankInfo, header, rank_file
+from mshpc.parallel.mesh import MeshShape
+
+MESH = MeshShape(pp=2, dp=2, tp=2)  # 8 ranks, so the coordinates in a flag are checkable
+BASE_S = {"data": 0.002, "forward": 0.10, "backward": 0.20, "optimizer": 0.03, "other": 0.005}
+COMM_S = 0.05
+
+
+def synthetic(steps: int, seed: int, slow_rank: int | None = None, slow_from: int = 0,
+              slow_phases: tuple[str, ...] = ("forward", "backward", "optimizer"), factor: float = 1.15,
+              noise: float = 0.05) -> list[dict[int, dict]]:
+    """Per rank {step: record} of a synchronous data-parallel job: every phase jitters (lognormal
+    `noise`), every step shares a job-wide factor, 1% of (rank, step) pairs spike 1.5-3x in
+    backward (a GC pause, an interrupt), and the collective waits for the slowest rank's compute."""
+    rng = np.random.default_rng(seed)
+    world = MESH.world_size
+    records: list[dict[int, dict]] = [{} for _ in range(world)]
+    for step in range(1, steps + 1):
+        common = rng.lognormal(0, noise)
+        phases = [{p: base * common * rng.lognormal(0, noise) for p, base in BASE_S.items()} for _ in range(world)]
+        for r in range(world):
+            if rng.random() < 0.01:
+                phases[r]["backward"] *= rng.uniform(1.5, 3.0)
+            if r == slow_rank and step >= slow_from:
+                for p in slow_phases:
+                    phases[r][p] *= factor
+        compute = [ph["forward"] + ph["backward"] + ph["optimizer"] for ph in phases]
+        for r in range(world):
+            phases[r]["comm.reduce_scatter"] = COMM_S * common + max(compute) - compute[r]
+            records[r][step] = {"step": step, "step_s": sum(phases[r].values()), "phases": phases[r]}
+    return records
+
+
+def ranks() -> list[RankInfo]:
+    return [RankInfo(r, f"node{r // 4}", MESH.coords(r)) for r in range(MESH.world_size)]
+
+
+def write_files(run_dir, records, start_step=0):
+    for info, recs in zip(ranks(), records):
+        path = rank_file(run_dir, info.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(header(info, "cpu", start_step)) + "\n")
+            f.writelines(json.dumps(r) + "\n" for r in recs.values())
+
+

@@ -1,0 +1,88 @@
+"""The straggler detector on synthetic timings, fed through the same file format and arrays the
+real runs use."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mshpc.config import DiagnoseConfig
+from mshpc.diagnose.stragglers import StragglerWatch, detect, eviction_candidates, median_of_others
+from mshpc.diagnose.timings import header, rank_file, to_arrays
+from mshpc.events import read_events
+from synthetic_timings import MESH, ranks, synthetic, write_files
+
+def run_detector(records, cfg=DiagnoseConfig()):
+    return detect(to_arrays(list(zip(ranks(), records))), cfg)
+
+
+def test_median_of_others_leaves_each_rank_out():
+    x = np.random.default_rng(0).random((5, 3))
+    expected = np.stack([np.median(np.delete(x, i, axis=0), axis=0) for i in range(5)])
+    assert np.allclose(median_of_others(x), expected)
+    # two ranks: each one's reference is the other, so the slow one of a pair can be told
+    assert median_of_others(np.array([1.0, 1.15])).tolist() == [1.15, 1.0]
+
+
+def test_a_rank_15_percent_slower_from_step_50_is_flagged_within_20_steps():
+    for seed in range(5):
+        _, flags = run_detector(synthetic(200, seed, slow_rank=5, slow_from=50))
+        assert [f.rank for f in flags] == [5], (seed, flags)
+        flag = flags[0]
+        assert 50 <= flag.since_step < 70, flag
+        assert flag.category == "compute" and flag.relative_score < 0.9
+        # reported with its host and its (dp, tp, pp): rank 5 = pp 1, dp 0, tp 1 (tp innermost)
+        assert (flag.host, flag.pp, flag.dp, flag.tp) == ("node1", 1, 0, 1)
+
+
+def test_no_false_positive_on_1000_noisy_healthy_steps():
+    for seed in range(5):
+        detector, flags = run_detector(synthetic(1000, seed))
+        assert flags == [] and detector.current() == []
+
+
+def test_data_wait_straggler_names_its_phase():
+    records = synthetic(120, seed=1, slow_rank=2, slow_from=40, slow_phases=("data",), factor=40.0)
+    _, flags = run_detector(records)
+    assert [(f.rank, f.category, f.phase) for f in flags] == [(2, "data wait", "data")]
+
+
+def test_individual_score_tells_a_rank_that_slowed_down_from_one_that_was_always_slow():
+    late = run_detector(synthetic(200, 3, slow_rank=1, slow_from=100, factor=1.3))[0].current()
+    always = run_detector(synthetic(200, 3, slow_rank=1, slow_from=0, factor=1.3))[0].current()
+    assert [s.rank for s in late] == [1] and [s.rank for s in always] == [1]
+    # 1/1.3 = 0.77 against its own best window; about 1 (less the noise of a best-of) for the other
+    assert late[0].individual_score == pytest.approx(1 / 1.3, abs=0.05)
+    assert always[0].individual_score > 0.9
+
+
+def test_eviction_candidates_from_the_run_directory(tmp_path):
+    write_files(tmp_path, synthetic(120, 0, slow_rank=6, slow_from=30, factor=1.5))
+    [candidate] = eviction_candidates(tmp_path)
+    assert (candidate.rank, candidate.host, candidate.dp, candidate.tp, candidate.pp) == (6, "node1", 1, 0, 1)
+    assert candidate.step == 120 and candidate.since_step < 50
+    write_files(tmp_path / "healthy", synthetic(120, 0))
+    assert eviction_candidates(tmp_path / "healthy") == []
+
+
+def test_live_watch_reads_growing_files_and_writes_one_event(tmp_path):
+    records = synthetic(100, 4, slow_rank=3, slow_from=20, factor=1.5)
+    cfg = DiagnoseConfig()
+    watch = StragglerWatch(tmp_path, MESH.world_size, cfg, start_step=0)
+    for info, recs in zip(ranks(), records):  # headers, then steps in chunks, the last line torn
+        rank_file(tmp_path, info.rank).parent.mkdir(parents=True, exist_ok=True)
+        rank_file(tmp_path, info.rank).write_text(json.dumps(header(info, "cpu", 0)) + "\n")
+    lines = {r: [json.dumps(rec) + "\n" for rec in recs.values()] for r, recs in enumerate(records)}
+    for lo in range(0, 100, 25):
+        for r in range(MESH.world_size):
+            chunk = "".join(lines[r][lo:lo + 25])
+            with rank_file(tmp_path, r).open("a") as f:
+                f.write(chunk[:-7])  # half a line now ...
+        watch.poll()
+        for r in range(MESH.world_size):
+            with rank_file(tmp_path, r).open("a") as f:
+                f.write("".join(lines[r][lo:lo + 25])[-7:])  # ... the rest later
+    watch.poll()
+    events = [e for e in read_events(tmp_path) if e["kind"] == "straggler"]
+    assert [(e["rank"], e["evict_candidate"]) for e in events] == [(3, True)]
+    assert 20 <= events[0]["since_step"] < 40
