@@ -8,8 +8,12 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mshpc.errors import LaunchError, MshpcError
+
+if TYPE_CHECKING:
+    from mshpc.config import Config
 
 USER_ERROR_EXIT = 2
 
@@ -109,7 +113,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc = args.nproc or cfg.world_size
         if nproc > 1:
             resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
-            return _launch_local(args, nproc)
+            return _launch_local(args, cfg, nproc)
     elif args.nproc is not None and args.nproc != env.world_size:
         raise LaunchError(f"--nproc={args.nproc} but the {env.launcher} launcher started {env.world_size} ranks")
     from mshpc.train import train
@@ -118,15 +122,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch_local(args: argparse.Namespace, nproc: int) -> int:
-    from mshpc.launch.local import launch_local
+def _launch_local(args: argparse.Namespace, cfg: Config, nproc: int) -> int:
+    from mshpc.launch.supervisor import supervise_local
 
     argv = ["train", args.config] + [a for s in args.set for a in ("--set", s)]
-    failure = launch_local(argv, nproc)
-    if failure is None:
-        return 0
-    print(f"mshpc: {failure.describe()}", file=sys.stderr)
-    return failure.exit_code
+    return supervise_local(cfg, argv, nproc)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

@@ -17,8 +17,9 @@ from mshpc.data.prepare import dataset_path
 from mshpc.data.shards import TokenDataset
 from mshpc.diagnose.mfu import mfu, peak_tflops
 from mshpc.errors import ConfigError, MshpcError
-from mshpc.faults import Fault, inject, parse_faults
+from mshpc.faults import Fault, bind, inject, parse_faults
 from mshpc.launch.env import LaunchEnv
+from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.model.gpt import GPT, loss_fn
@@ -115,7 +116,7 @@ def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
 
 
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
-                 faults: tuple[Fault, ...] = ()) -> list[float]:
+                 faults: tuple[Fault, ...] = (), beat: Heartbeat | None = None) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
     torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
     model = GPT(cfg.model).to(rt.device)
@@ -133,15 +134,19 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "none")
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     losses: list[float] = []
+    beat = beat or start_heartbeat(cfg, None, info.rank, info.node)
     try:
         for step in range(start_step, cfg.train.steps):
             start, wait_before = time.perf_counter(), loader.wait_s
+            beat.phase("data", step)
             batch = next(loader)
+            beat.phase("step", step)
             inject(faults, info.rank, step)
             loss, grad_norm = train_step(engine, batch, cfg, rt)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(loss.item())
+            beat.phase("checkpoint", step, losses[-1])  # raises LossDiverged before a NaN is saved
             blocking_s = ckpt.maybe_save(step + 1)
             step_time_s = time.perf_counter() - start
             tokens_per_s = tokens_per_step / step_time_s
@@ -176,7 +181,10 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
         info = init_distributed(env)
         cfg = resolve_world(cfg, info.world_size)
         check_supported(cfg)
-        return run_training(cfg, info, build_runtime(cfg.train, info), watcher, parse_faults(env.test_faults))
+        faults = bind(parse_faults(env.test_faults), info.rank, info.node, env.supervisor.attempt if env.supervisor else 0,
+                      run_path(cfg), checkpoint_root(cfg, run_path(cfg)))
+        with start_heartbeat(cfg, env.supervisor, info.rank, info.node) as beat:
+            return run_training(cfg, info, build_runtime(cfg.train, info), watcher, faults, beat)
     finally:
         watcher.close()
         shutdown_distributed()
