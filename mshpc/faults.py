@@ -76,8 +76,9 @@ def inject(faults: tuple[Fault, ...], rank: int, step: int, phase: str = "step")
         if fault.run_dir is not None:
             from mshpc.events import append_event
 
+            target = os.readlink(fault.ckpt_root / "latest") if fault.kind == "corrupt_latest" and fault.ckpt_root else None
             append_event(fault.run_dir, "fault_injected", fault=fault.kind, rank=rank, node=fault.node,
-                         step=step, attempt=fault.attempt, pid=os.getpid())
+                         step=step, attempt=fault.attempt, pid=os.getpid(), target=target)
         _fire(fault, rank, step)
 
 

@@ -78,7 +78,7 @@ def missing_ranks(states: dict[int, RankState], silent_after_s: float, started_a
             state = process_state(s, token)
             found[s.rank] = f"silent for {silent:.1f} s" + (f" (process state {state})" if state else "")
     for rank, why in lagging(states).items():
-        found.setdefault(rank, why)
+        found[rank] = f"{found[rank]}; {why}" if rank in found else why
     return [Missing(r, found[r]) for r in sorted(found)]
 
 
