@@ -136,19 +136,21 @@ def job_key(slurm: SlurmEnv) -> str:
     return str(slurm.job_id)
 
 
-def requeue(env: LaunchEnv) -> bool:
-    """`scontrol requeue` this job (rank 0 only); False, logged, when that is not possible."""
+def requeue(env: LaunchEnv, hold: bool = False) -> bool:
+    """`scontrol requeue` this job (rank 0 only; `hold`: requeuehold, for a change before its
+    release); False, logged, when that is not possible."""
     if env.slurm is None:
         log.warning("not running under Slurm: nothing to requeue")
         return False
     key = job_key(env.slurm)
+    verb = "requeuehold" if hold else "requeue"
     try:
-        out = subprocess.run(["scontrol", "requeue", key], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(["scontrol", verb, key], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        log.error("scontrol requeue %s failed: %s", key, exc)
+        log.error("scontrol %s %s failed: %s", verb, key, exc)
         return False
     if out.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", key, out.stderr.strip())
+        log.error("scontrol %s %s failed: %s", verb, key, out.stderr.strip())
         return False
     log.warning("requeued Slurm job %s", key)
     return True
@@ -193,11 +195,11 @@ def latest_checkpoint_step(cfg: Config) -> int | None:
     return latest_step(checkpoint_root(cfg, run_path(cfg)))
 
 
-def requeue_guarded(env: LaunchEnv, cfg: Config) -> bool:
+def requeue_guarded(env: LaunchEnv, cfg: Config, hold: bool = False) -> bool:
     """Requeue unless the job has failed too often without a newer checkpoint (rank 0 or the
     batch script); the history is saved first, as the requeue ends this process."""
     if env.slurm is None:
-        return requeue(env)
+        return requeue(env, hold)
     run_dir, key = run_path(cfg), job_key(env.slurm)
     state = account(read_state(run_dir), key, latest_checkpoint_step(cfg))
     budget = cfg.slurm.max_failures_without_progress
@@ -207,7 +209,7 @@ def requeue_guarded(env: LaunchEnv, cfg: Config) -> bool:
                   "(slurm.max_failures_without_progress=%d)", state.failures_without_progress, budget)
         return False
     write_state(run_dir, dataclasses.replace(state, requeued_restart=env.slurm.restart_count))
-    if requeue(env):
+    if requeue(env, hold):
         return True
     write_state(run_dir, state)
     return False

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 DUMP_WAIT_S = 5.0  # how long live ranks get to send their stacks for the hang report
 USER_ERROR_EXIT = 2
+EXIT_WAIT_S = 60.0  # ranks that all said "ok" get this long to exit before they are stopped
 
 
 class Ranks(Protocol):
@@ -80,6 +81,8 @@ class Supervisor:
         self.tally = Tally()
         self.past: PastFailure | None = None
         self.final_detail: str | None = None  # the last failure, in one line
+        self.stopping = False  # set when the job is told to stop (scancel, time limit): no restarts
+        self.requeued = False
 
     def event(self, kind: str, **fields: Any) -> None:
         append_event(self.run_dir, kind, **fields)
@@ -96,7 +99,8 @@ class Supervisor:
             if det is None:
                 return self._end("finished" if code == 0 else "stopped", code)
             if not self._recoverable(det, restarts):
-                return self._end("failed", USER_ERROR_EXIT if self._last_verdict.cls == "user_error" else det.exit_code)
+                outcome = "requeued" if self.requeued else "failed"
+                return self._end(outcome, USER_ERROR_EXIT if self._last_verdict.cls == "user_error" else det.exit_code)
             restarts += 1
         raise AssertionError("unreachable: the last attempt either ends or is not recoverable")
 
@@ -119,13 +123,18 @@ class Supervisor:
             monitor.close()
 
     def _watch(self, monitor: Monitor, ranks: Ranks, attempt: Attempt) -> tuple[int, Detection | None]:
+        done_at = None
         while True:
             monitor.changed.wait(POLL_S)
             monitor.changed.clear()
             ranks.update(monitor.ranks)
             self._track(monitor.ranks, attempt)
             if all_finished(monitor.ranks):
-                return 0, None
+                # let them exit on their own (teardown, submitit's result files) before any stop
+                done_at = done_at or time.monotonic()
+                if all(s.exited_at is not None for s in monitor.ranks.values()) or time.monotonic() - done_at > EXIT_WAIT_S:
+                    return 0, None
+                continue
             stopped = stop_request(monitor.ranks)
             if stopped is not None and all(s.ended for s in monitor.ranks.values()):
                 return stopped, None
@@ -191,6 +200,9 @@ class Supervisor:
             count = self.pool.blame(host)
             if self.pool.should_evict(host, verdict.evict_now) and not self._evict(host, count, verdict):
                 return False
+        if self.stopping:
+            self.event("gave_up", reason="the job is stopping (a signal came)")
+            return False
         if restarts >= self.scfg.max_restarts:
             self.event("gave_up", reason=f"supervisor.max_restarts={self.scfg.max_restarts} restarts used")
             return False
@@ -213,7 +225,8 @@ class Supervisor:
             return True
         if self.requeue is not None:
             self.event("requeue", exclude=self.pool.evicted)
-            return self.requeue(self.pool.evicted)
+            self.requeued = self.requeue(self.pool.evicted)  # the job restarts elsewhere, not here
+            return False
         self.event("gave_up", reason=f"{host} evicted and no spare left (train.spare_nodes={self.cfg.train.spare_nodes})")
         return False
 
