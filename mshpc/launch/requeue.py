@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -260,14 +260,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
+def run_batch_helper(args: argparse.Namespace, body: Callable[[Config, LaunchEnv], int]) -> int:
+    """What every batch-script helper does first: load CONFIG --set ... and the launch
+    environment, then run `body`; a user error is one line and DO_NOT_REQUEUE_EXIT."""
     logging.basicConfig(level=logging.INFO, format="mshpc: %(message)s")
     try:
-        cfg, env = load_config(args.config, args.set), read_launch_env()
+        return body(load_config(args.config, args.set), read_launch_env())
     except MshpcError as exc:
         print(f"mshpc: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return DO_NOT_REQUEUE_EXIT
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    return run_batch_helper(args, lambda cfg, env: _guard(args, cfg, env))
+
+
+def _guard(args: argparse.Namespace, cfg: Config, env: LaunchEnv) -> int:
     if args.what == "check":
         done = env.slurm is not None and finished_by(run_path(cfg), job_key(env.slurm))
         print("finished" if done else "run")

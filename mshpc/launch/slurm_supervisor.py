@@ -11,7 +11,6 @@ is sbatch/train.sbatch's side; `mshpc.submit` calls `supervise_slurm` in its bat
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import subprocess
@@ -22,15 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from mshpc.config import Config, load_config
+from mshpc.config import Config
 from mshpc.errors import MshpcError
-from mshpc.launch.env import LaunchEnv, read_launch_env
+from mshpc.launch.env import LaunchEnv
 from mshpc.launch.monitor import RankState
 from mshpc.launch.recovery import NodePool
-from mshpc.launch.requeue import DO_NOT_REQUEUE_EXIT, job_key, requeue_guarded
+from mshpc.launch.requeue import job_key, requeue_guarded, run_batch_helper
 from mshpc.launch.supervisor import Supervisor
-
-log = logging.getLogger(__name__)
 
 UNUSABLE = ("down", "drain", "fail", "maint", "unknown")  # sinfo states a step cannot use
 STEP_EXIT_WAIT_S = 60.0  # after scancel of a step: Slurm's KillWait and then some
@@ -179,17 +176,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    logging.basicConfig(level=logging.INFO, format="mshpc: %(message)s")
-    try:
-        cfg, env = load_config(args.config, args.set), read_launch_env()
-        if env.slurm is None:
-            raise MshpcError("the Slurm supervisor runs inside a Slurm job (SLURM_JOB_ID is not set)")
-        rank_argv = (sys.executable, "-m", "mshpc", "train", args.config, *[a for s in args.set for a in ("--set", s)])
-        spec = StepSpec(args.launch, args.per_node, rank_argv, str(args.logs / "rank-%t.log"), env.slurm.job_id, args.mpiexec)
-        return supervise_slurm(cfg, env, args.hosts.split(","), spec)
-    except MshpcError as exc:
-        print(f"mshpc: error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return DO_NOT_REQUEUE_EXIT
+    return run_batch_helper(args, lambda cfg, env: _supervise_batch(args, cfg, env))
+
+
+def _supervise_batch(args: argparse.Namespace, cfg: Config, env: LaunchEnv) -> int:
+    if env.slurm is None:
+        raise MshpcError("the Slurm supervisor runs inside a Slurm job (SLURM_JOB_ID is not set)")
+    rank_argv = (sys.executable, "-m", "mshpc", "train", args.config, *[a for s in args.set for a in ("--set", s)])
+    spec = StepSpec(args.launch, args.per_node, rank_argv, str(args.logs / "rank-%t.log"), env.slurm.job_id, args.mpiexec)
+    return supervise_slurm(cfg, env, args.hosts.split(","), spec)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class Supervisor:
         self.tally = Tally()
         self.past: PastFailure | None = None
         self.final_detail: str | None = None  # the last failure, in one line
+        self._last_verdict: Verdict | None = None
         self.stopping = False  # set when the job is told to stop (scancel, time limit): no restarts
         self.requeued = False
 
@@ -100,7 +101,8 @@ class Supervisor:
                 return self._end("finished" if code == 0 else "stopped", code)
             if not self._recoverable(det, restarts):
                 outcome = "requeued" if self.requeued else "failed"
-                return self._end(outcome, USER_ERROR_EXIT if self._last_verdict.cls == "user_error" else det.exit_code)
+                user_error = self._last_verdict is not None and self._last_verdict.cls == "user_error"
+                return self._end(outcome, USER_ERROR_EXIT if user_error else det.exit_code)
             restarts += 1
         raise AssertionError("unreachable: the last attempt either ends or is not recoverable")
 
@@ -193,7 +195,8 @@ class Supervisor:
 
     def _recoverable(self, det: Detection, restarts: int) -> bool:
         """Evict what must go; then whether a restart is allowed and possible."""
-        verdict: Verdict = self._last_verdict
+        verdict = self._last_verdict
+        assert verdict is not None, "classified in _handle"
         if verdict.cls == "user_error":
             return False
         for host in verdict.blame:
