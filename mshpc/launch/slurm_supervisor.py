@@ -77,8 +77,10 @@ class SlurmStep:
             return
         self.ended_at = self.ended_at or time.time()
         for s in states.values():
-            if not s.ended:
-                s.exited_at, s.exit_code = self.ended_at, 0 if self.proc.returncode == 0 else None
+            if s.exited_at is None:
+                s.exited_at = self.ended_at
+                if s.outcome is None:  # said nothing: srun's code is all there is to go by
+                    s.exit_code = 0 if self.proc.returncode == 0 else None
 
     def stop(self, grace_s: float) -> list[int]:
         """scancel the step (Slurm's SIGCONT, SIGTERM, KillWait, SIGKILL); kill the launcher last."""

@@ -9,6 +9,7 @@ training time ratio, the failures, the times to detect and to recover.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -131,17 +132,17 @@ class Supervisor:
             monitor.changed.clear()
             ranks.update(monitor.ranks)
             self._track(monitor.ranks, attempt)
-            if all_finished(monitor.ranks):
-                # let them exit on their own (teardown, submitit's result files) before any stop
+            # finished, or stopping on request (a checkpoint after a signal): let the ranks exit
+            # on their own (teardown, submitit's result files) before stopping any
+            code = 0 if all_finished(monitor.ranks) else stop_request(monitor.ranks)
+            if code is not None:
                 done_at = done_at or time.monotonic()
-                if all(s.exited_at is not None for s in monitor.ranks.values()) or time.monotonic() - done_at > EXIT_WAIT_S:
-                    return 0, None
+                exited = all((s.exited_at if code == 0 else s.ended) for s in monitor.ranks.values())
+                if exited or time.monotonic() - done_at > EXIT_WAIT_S:
+                    return code, None
                 continue
-            stopped = stop_request(monitor.ranks)
-            if stopped is not None and all(s.ended for s in monitor.ranks.values()):
-                return stopped, None
             det = detect(monitor.ranks, self.scfg, attempt.started_at)
-            if det is not None and stopped is None:
+            if det is not None:
                 return det.exit_code, det
 
     def _track(self, states: dict[int, RankState], attempt: Attempt) -> None:
@@ -272,8 +273,6 @@ def _secs(values: list[float]) -> str:
 
 
 def _knobs(cfg: Config) -> dict[str, Any]:
-    import dataclasses
-
     return {**dataclasses.asdict(cfg.supervisor), "spare_nodes": cfg.train.spare_nodes}
 
 
