@@ -28,6 +28,7 @@ from mshpc.launch.detection import Detection, all_finished, detect, stop_request
 from mshpc.launch.hang_report import REPORT_FILE, missing_ranks, where, write_hang_report
 from mshpc.launch.monitor import Monitor, RankState
 from mshpc.launch.recovery import NodePool, PastFailure, Verdict, classify
+from mshpc.launch.requeue import JobStopped
 from mshpc.run_dir import run_path
 
 log = logging.getLogger(__name__)
@@ -92,18 +93,23 @@ class Supervisor:
     # ---------------------------------------------------------------- the attempts
 
     def run(self) -> int:
-        """Train to the end, restarting as allowed; returns the exit code for the caller."""
+        """Train to the end, restarting as allowed; returns the exit code for the caller, or
+        raises JobStopped (a SystemExit) when the job stopped on request or was requeued."""
         self.event("supervisor_start", world=self.world, hosts=self.pool.active, spares=self.pool.spares,
                    knobs=_knobs(self.cfg))
         restarts = 0
         for number in range(self.scfg.max_restarts + 1):
             code, det = self._attempt(number)
-            if det is None:
-                return self._end("finished" if code == 0 else "stopped", code)
+            if det is None and code == 0:
+                return self._end("finished", code)
+            if det is None:  # stopped on request after a checkpoint: as the ranks did, not a failure
+                raise JobStopped(self._end("stopped", code))
             if not self._recoverable(det, restarts):
-                outcome = "requeued" if self.requeued else "failed"
                 user_error = self._last_verdict is not None and self._last_verdict.cls == "user_error"
-                return self._end(outcome, USER_ERROR_EXIT if user_error else det.exit_code)
+                code = self._end("requeued" if self.requeued else "failed", USER_ERROR_EXIT if user_error else det.exit_code)
+                if self.requeued:  # the job goes on elsewhere: no result to record (submitit)
+                    raise JobStopped(code)
+                return code
             restarts += 1
         raise AssertionError("unreachable: the last attempt either ends or is not recoverable")
 
