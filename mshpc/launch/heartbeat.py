@@ -47,8 +47,9 @@ class Heartbeat:
     """One per rank. Without a supervisor (`link` None) it only checks the loss."""
 
     def __init__(self, link: SupervisorLink | None, hello: dict[str, Any], interval_s: float,
-                 loss_limit: float | None) -> None:
+                 loss_limit: float | None, save_every: int = 0, steps: int = 0) -> None:
         self.link, self.hello, self.interval_s, self.loss_limit = link, hello, interval_s, loss_limit
+        self.save_every, self.steps = save_every, steps  # which steps end in a checkpoint save
         self._current = ("setup", -1, time.monotonic())  # (phase, step, entered at)
         self._start_step: int | None = None
         self._durations = {p: collections.deque(maxlen=_WINDOW) for p in PHASES}
@@ -60,16 +61,24 @@ class Heartbeat:
     # ---------------------------------------------------------------- the train loop's side
 
     def phase(self, name: str, step: int, loss: float | None = None) -> None:
-        """Enter phase `name` of step `step` (0-based); with `loss`, check it first."""
+        """Enter phase `name` of step `step` (0-based); with `loss`, check it first. The
+        checkpoint phase begins only on steps that save (a long save is no hang); on the others
+        the step phase goes on to the next data phase."""
         if loss is not None and (not math.isfinite(loss) or (self.loss_limit is not None and loss > self.loss_limit)):
             raise LossDiverged(f"loss {loss} at step {step + 1} (NaN/Inf, or above supervisor.loss_limit="
                                f"{self.loss_limit})")
+        if name == "checkpoint" and not self._saves(step):
+            return  # no save after this step: its tail (metrics, the stop check) counts as the step
         now = time.monotonic()
         previous, _, since = self._current
         if previous == "setup":
             self._start_step = step  # where this attempt resumed
         self._durations[previous].append(now - since)
         self._current = (name, step, now)
+
+    def _saves(self, step: int) -> bool:
+        done = step + 1
+        return self.save_every > 0 and (done % self.save_every == 0 or done == self.steps)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -157,4 +166,5 @@ def start_heartbeat(cfg: Config, link: SupervisorLink | None, rank: int, node: s
     """The heartbeat of `rank` (use it as a context manager); it talks only when `link` is set."""
     shape = MeshShape(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp)
     hello = {"rank": rank, "host": node, "coords": str(shape.coords(rank))}
-    return Heartbeat(link, hello, cfg.supervisor.heartbeat_interval_s, cfg.supervisor.loss_limit)
+    return Heartbeat(link, hello, cfg.supervisor.heartbeat_interval_s, cfg.supervisor.loss_limit,
+                     cfg.checkpoint.interval_steps, cfg.train.steps)

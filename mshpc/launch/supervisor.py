@@ -157,7 +157,8 @@ class Supervisor:
         if attempt.resumed_from is None and first.start_step is not None:
             attempt.resumed_from = first.start_step
             self.event("resumed", attempt=attempt.number, from_step=first.start_step)
-        if attempt.first_step_at is None and (first.phase == "checkpoint" or first.step > (first.start_step or 0)):
+        trained = first.start_step is not None and first.step > first.start_step
+        if attempt.first_step_at is None and (trained or (first.outcome or {}).get("how") == "ok"):
             attempt.first_step_at = time.monotonic()
             if self.tally.detected_at is not None:
                 took = attempt.first_step_at - self.tally.detected_at

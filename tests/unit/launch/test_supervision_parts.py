@@ -100,6 +100,17 @@ def test_heartbeats_reach_the_monitor_and_a_dump_returns_stacks():
         monitor.close()
 
 
+def test_the_checkpoint_phase_begins_only_on_steps_that_save():
+    beat = Heartbeat(None, {}, 1.0, None, save_every=2, steps=5)
+    beat.phase("step", 0)
+    beat.phase("checkpoint", 0, 3.0)  # step 1 saves nothing: still the step phase
+    assert beat._current[:2] == ("step", 0)
+    beat.phase("checkpoint", 1, 3.0)  # step 2 saves
+    assert beat._current[:2] == ("checkpoint", 1)
+    beat.phase("checkpoint", 4, 3.0)  # the last step always saves
+    assert beat._current[:2] == ("checkpoint", 4)
+
+
 def test_a_stranger_without_the_token_is_not_heard():
     monitor = Monitor(1, "tok")
     try:
