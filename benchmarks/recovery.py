@@ -89,6 +89,32 @@ def overhead(out: Path, cache: Path, steps: int, rounds: int) -> None:
     for interval in ("1s", "0.1s"):
         emit(f"step_time_heartbeat_{interval}_vs_none", statistics.median(times[interval]), "s", base,
              steps_measured=len(times[interval]))
+    emit("heartbeat_cpu_per_step_at_0.1s_vs_step_time", heartbeat_cpu_s(base, 0.1), "s", base)
+
+
+def heartbeat_cpu_s(step_s: float, interval_s: float, n: int = 20000) -> float:
+    """CPU seconds the heartbeat adds to one step, measured in this process: the loop's three
+    phase() calls, plus one beat (the side thread's work) per interval, sent to a real monitor.
+    Less noisy than the end-to-end comparison on a busy machine."""
+    from mshpc.launch.env import SupervisorLink
+    from mshpc.launch.heartbeat import Heartbeat
+    from mshpc.launch.monitor import Monitor
+
+    monitor = Monitor(1, "t")
+    beat = Heartbeat(SupervisorLink("127.0.0.1", monitor.port, "t", 0), {"rank": 0, "host": "h"}, 3600.0, None)
+    with beat:
+        start = time.process_time()
+        for step in range(n):
+            beat.phase("data", step)
+            beat.phase("step", step)
+            beat.phase("checkpoint", step, 1.0)
+        phases_s = (time.process_time() - start) / n
+        start = time.process_time()
+        for _ in range(n // 20):
+            beat._send(beat._beat())
+        beat_s = (time.process_time() - start) / (n // 20)
+    monitor.close()
+    return phases_s + beat_s * step_s / interval_s
 
 
 def main() -> None:

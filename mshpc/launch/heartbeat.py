@@ -98,10 +98,16 @@ class Heartbeat:
                         "user_error": isinstance(exc, MshpcError), "loss_diverged": isinstance(exc, LossDiverged),
                         "phase": self._current[0], "step": self._current[1]})
         self._stop.set()
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread's select; what was sent still arrives
+            except OSError:
+                pass
         if self._thread.is_alive():
-            self._thread.join(timeout=2 * self.interval_s + 1)
-        if self._sock is not None:
-            self._sock.close()
+            self._thread.join(timeout=5)
+        if sock is not None:
+            sock.close()
 
     def _connect(self) -> None:
         assert self.link is not None
