@@ -157,10 +157,7 @@ def supervise_slurm(cfg: Config, env: LaunchEnv, hosts: list[str], spec: StepSpe
                      lambda evicted: requeue_excluding(env, cfg, evicted))
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, forward)
-    code = sup.run()
-    if code != 0 and sup.final_detail:
-        print(f"mshpc: {sup.final_detail}", file=sys.stderr)
-    return code
+    return sup.run()
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -14,7 +14,6 @@ import json
 import logging
 import socket
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 from mshpc.config import Config
 from mshpc.events import append_event
 from mshpc.launch.detection import Detection, all_finished, detect, stop_request
-from mshpc.launch.hang_report import REPORT_FILE, missing_ranks, where, write_hang_report
+from mshpc.launch.hang_report import REPORT_FILE, Missing, missing_ranks, where, write_hang_report
 from mshpc.launch.monitor import Monitor, RankState
 from mshpc.launch.recovery import NodePool, PastFailure, Verdict, classify
 from mshpc.launch.requeue import JobStopped
@@ -82,7 +81,6 @@ class Supervisor:
         self.run_dir = run_path(cfg)
         self.tally = Tally()
         self.past: PastFailure | None = None
-        self.final_detail: str | None = None  # the last failure, in one line
         self._last_verdict: Verdict | None = None
         self.stopping = False  # set when the job is told to stop (scancel, time limit): no restarts
         self.requeued = False
@@ -109,6 +107,7 @@ class Supervisor:
                 code = self._end("requeued" if self.requeued else "failed", USER_ERROR_EXIT if user_error else det.exit_code)
                 if self.requeued:  # the job goes on elsewhere: no result to record (submitit)
                     raise JobStopped(code)
+                print(f"mshpc: {det.detail}", file=sys.stderr)  # the last line says what failed
                 return code
             restarts += 1
         raise AssertionError("unreachable: the last attempt either ends or is not recoverable")
@@ -171,7 +170,6 @@ class Supervisor:
     def _handle(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt, token: str) -> None:
         states = monitor.ranks
         self.tally.detected_at = time.monotonic()
-        self.final_detail = det.detail
         self.tally.failures.append(det.kind)
         self.tally.detect_s.append(det.time_to_detect_s)
         s = states[det.rank] if det.rank is not None else None
@@ -180,18 +178,7 @@ class Supervisor:
                    step=det.step + 1, detail=det.detail, time_to_detect_s=det.time_to_detect_s,
                    timeout_s=det.timeout_s, timeout_why=det.timeout_why)
         log.warning("supervisor: %s", det.detail)
-        missing = []
-        if det.kind == "hang":
-            monitor.request_dumps(min(DUMP_WAIT_S, self.scfg.stop_grace_s + 1))
-            silent_after = max(3 * self.scfg.heartbeat_interval_s, 2.0)
-            missing = missing_ranks(states, silent_after, attempt.started_at, token)
-            path = write_hang_report(self.run_dir / REPORT_FILE, det, states, missing, attempt.number,
-                                     attempt.started_at)
-            self.event("hang_report", attempt=attempt.number, path=str(path),
-                       missing=[{"rank": m.rank, "host": states[m.rank].host, "coords": states[m.rank].coords,
-                                 "why": m.why} for m in missing])
-            for m in missing:
-                log.warning("supervisor: missing %s: %s", where(states[m.rank]), m.why)
+        missing = self._report_hang(det, monitor, attempt, token) if det.kind == "hang" else []
         began = time.monotonic()
         killed = ranks.stop(self.scfg.stop_grace_s)
         self.event("ranks_stopped", attempt=attempt.number, stop_s=time.monotonic() - began, sigkilled=killed)
@@ -200,6 +187,21 @@ class Supervisor:
         self._last_verdict = classify(det, states, missing, self.down(attempt.hosts), same)
         self.event("classified", attempt=attempt.number, fault_class=self._last_verdict.cls,
                    blame=list(self._last_verdict.blame), reason=self._last_verdict.reason)
+
+    def _report_hang(self, det: Detection, monitor: Monitor, attempt: Attempt, token: str) -> list[Missing]:
+        """Before anything is stopped: every live rank's stacks and flight recorder, the missing
+        ranks, hang-report.txt."""
+        states = monitor.ranks
+        monitor.request_dumps(min(DUMP_WAIT_S, self.scfg.stop_grace_s + 1))
+        silent_after = max(3 * self.scfg.heartbeat_interval_s, 2.0)
+        missing = missing_ranks(states, silent_after, attempt.started_at, token)
+        path = write_hang_report(self.run_dir / REPORT_FILE, det, states, missing, attempt.number, attempt.started_at)
+        self.event("hang_report", attempt=attempt.number, path=str(path),
+                   missing=[{"rank": m.rank, "host": states[m.rank].host, "coords": states[m.rank].coords,
+                             "why": m.why} for m in missing])
+        for m in missing:
+            log.warning("supervisor: missing %s: %s", where(states[m.rank]), m.why)
+        return missing
 
     def _recoverable(self, det: Detection, restarts: int) -> bool:
         """Evict what must go; then whether a restart is allowed and possible."""
@@ -314,17 +316,12 @@ def supervise_local(cfg: Config, argv: list[str], nproc: int) -> int:
     def start(attempt: int, active: list[str], env: dict[str, str]) -> Ranks:
         return _LocalAttempt(LocalRanks(argv, [{**env, "MSHPC_NODE": active[r // per]} for r in range(nproc)]))
 
-    sup = Supervisor(cfg, nproc, NodePool(hosts, needed, cfg.supervisor.evict_after), start, "127.0.0.1")
-    code = sup.run()
-    if code != 0 and sup.final_detail:
-        print(f"mshpc: {sup.final_detail}", file=sys.stderr)  # the last line says what failed
-    return code
+    return Supervisor(cfg, nproc, NodePool(hosts, needed, cfg.supervisor.evict_after), start, "127.0.0.1").run()
 
 
 class _LocalAttempt:
     def __init__(self, ranks: Any) -> None:
         self.ranks = ranks
-        self._lock = threading.Lock()
 
     def update(self, states: dict[int, RankState]) -> None:
         from mshpc.launch.local import RankFailure
@@ -336,5 +333,4 @@ class _LocalAttempt:
                 s.exit_detail = RankFailure(rp.rank, rp.proc.returncode, tuple(rp.tail)).describe()
 
     def stop(self, grace_s: float) -> list[int]:
-        with self._lock:
-            return self.ranks.stop(grace_s)
+        return self.ranks.stop(grace_s)
