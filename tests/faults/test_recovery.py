@@ -59,11 +59,13 @@ def test_corrupt_latest_checkpoint_before_the_restart(reference, tmp_path, corpu
 
 
 def test_nan_loss_is_caught_before_it_is_saved(reference, tmp_path, corpus_cache):
-    out = supervised(tmp_path, corpus_cache, "n", faults="nan:rank=1:step=4:attempt=0")
+    # synchronous saves: the checkpoint of step 4 is committed before step 5 (index 4) goes NaN
+    out = supervised(tmp_path, corpus_cache, "n", "checkpoint.async_save=false", faults="nan:rank=1:step=4:attempt=0")
     assert out.returncode == 0, out.stderr[-3000:]
     evs = assert_story(tmp_path / "n", "nan", "loss", None)
     assert "LossDiverged: loss nan at step 5" in one(evs, "failure_detected")["detail"]
     assert one(evs, "restart")["latest_checkpoint"] == 4  # the NaN weights of step 5 were never saved
+    assert [e["from_step"] for e in evs if e["kind"] == "resumed"] == [0, 4]
     assert_recovered_exactly(tmp_path / "n", reference)
 
 
