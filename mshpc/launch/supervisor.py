@@ -142,7 +142,7 @@ class Supervisor:
             code = 0 if all_finished(monitor.ranks) else stop_request(monitor.ranks)
             if code is not None:
                 done_at = done_at or time.monotonic()
-                exited = all((s.exited_at if code == 0 else s.ended) for s in monitor.ranks.values())
+                exited = all(s.exited_at is not None for s in monitor.ranks.values())
                 if exited or time.monotonic() - done_at > EXIT_WAIT_S:
                     return code, None
                 continue
