@@ -145,7 +145,10 @@ def requeue(env: LaunchEnv, hold: bool = False) -> bool:
     key = job_key(env.slurm)
     verb = "requeuehold" if hold else "requeue"
     try:
-        out = subprocess.run(["scontrol", verb, key], capture_output=True, text=True, timeout=60)
+        # its own session: the preempt signals a launcher sends to the rank's process group
+        # (Hydra does; several copies may come) must not kill scontrol half-way
+        out = subprocess.run(["scontrol", verb, key], capture_output=True, text=True, timeout=60,
+                             start_new_session=True)
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.error("scontrol %s %s failed: %s", verb, key, exc)
         return False
