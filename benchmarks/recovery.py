@@ -55,7 +55,7 @@ def step_times(run: Path) -> list[float]:
 
 
 def emit(metric: str, value: float, unit: str, baseline: float, **extra: object) -> None:
-    print(json.dumps({"bench": "recovery", "metric": metric, "value": round(value, 4), "unit": unit,
+    print(json.dumps({"bench": "recovery", "metric": metric, "value": round(value, 6), "unit": unit,
                       "baseline": round(baseline, 4), "ratio": round(value / baseline, 5), **extra}), flush=True)
 
 
