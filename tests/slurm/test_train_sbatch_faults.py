@@ -38,11 +38,12 @@ def down_mid_run(slurm, corpus_cache, steps: int, nodes: int, spare: int):
     unused = sorted({"n1", "n2", "n3"} - set(first["hosts"]))
     slurm.wait_until("a few steps", lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 3)
     # other helpers' jobs share this cluster: take the node down only while it runs nothing else
-    slurm.wait_until(f"{victim} to run only this job", lambda: not others_on(victim, job), timeout_s=120, poll_s=1)
+    slurm.wait_until(f"{victim} to run only this job", lambda: not others_on(victim, job), timeout_s=300, poll_s=1)
     try:
         subprocess.run(["scontrol", "update", f"NodeName={victim}", "State=DOWN", "Reason=mshpc test: node failure"],
                        check=True, timeout=30)
         downed = time.time()
+        assert slurm.info(job)["JobState"] == "RUNNING", "the job ended before its node could be taken down"
         info = slurm.wait_done(job, timeout_s=400)
     finally:
         subprocess.run(["scontrol", "update", f"NodeName={victim}", "State=RESUME"], timeout=30)
@@ -50,7 +51,7 @@ def down_mid_run(slurm, corpus_cache, steps: int, nodes: int, spare: int):
 
 
 def test_a_node_set_down_mid_run_is_replaced_by_the_spare(steps_for, slurm, corpus_cache):
-    n = steps_for(20)
+    n = steps_for(60)  # long enough to outlast the wait for the node to be ours alone
     job, info, victim, unused, downed = down_mid_run(slurm, corpus_cache, n, nodes=3, spare=1)
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "0"), slurm.batch_log(job)
     run = slurm.cwd / "runs/t"
@@ -68,7 +69,7 @@ def test_a_node_set_down_mid_run_is_replaced_by_the_spare(steps_for, slurm, corp
 
 
 def test_without_a_spare_the_job_is_requeued_without_the_down_node(steps_for, slurm, corpus_cache):
-    n = steps_for(20)
+    n = steps_for(60)  # long enough to outlast the wait for the node to be ours alone
     job, info, victim, unused, _ = down_mid_run(slurm, corpus_cache, n, nodes=2, spare=0)
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), slurm.batch_log(job)
     assert victim not in info["NodeList"] and info["ExcNodeList"] == victim  # excluded by the requeue
