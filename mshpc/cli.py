@@ -8,7 +8,6 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-
 from mshpc.errors import LaunchError, MshpcError
 
 USER_ERROR_EXIT = 2
@@ -147,7 +146,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc = args.nproc or cfg.world_size
         if nproc > 1:
             resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
-            return _launch_local(["train", args.config, *_set_args(args)], nproc)
+            from mshpc.launch.supervisor import supervise_local
+
+            return supervise_local(cfg, ["train", args.config, *_set_args(args)], nproc)
     elif args.nproc is not None and args.nproc != env.world_size:
         raise LaunchError(f"--nproc={args.nproc} but the {env.launcher} launcher started {env.world_size} ranks")
     from mshpc.train import train

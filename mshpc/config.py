@@ -106,6 +106,8 @@ class TrainConfig:
     cpu_threads: int = _min(0, 0)  # torch threads per rank; 0: cores / local ranks
     peak_tflops: float | None = None  # device peak for MFU; None: from the device table
     resume: str = "auto"  # "auto": latest good checkpoint if any; "never"; or a step-* folder
+    # nodes of the allocation (local: slots) held back to replace an evicted one
+    spare_nodes: int = _min(0, 0)
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,25 @@ class DiagnoseConfig:
 
 
 @dataclass(frozen=True)
+class SupervisorConfig:
+    """The supervisor's knobs (mshpc/launch/supervisor.py): heartbeats, timeouts, restarts."""
+
+    heartbeat_interval_s: float = _min(0.01, 1.0)  # each rank's side thread reports this often
+    # A phase (data, step, checkpoint) hangs when it lasts longer than
+    # max(floor, timeout_k x its median duration so far); before 3 samples, the floor alone.
+    timeout_k: float = _min(1.0, 10.0)
+    timeout_floor_s: float = _min(0.1, 60.0)
+    checkpoint_timeout_s: float = _min(0.1, 600.0)  # the checkpoint phase's floor: a long save is no hang
+    setup_timeout_s: float = _min(0.1, 900.0)  # start-up: imports, rendezvous, resume
+    max_restarts: int = _min(0, 3)  # restarts within one allocation (or local run) before giving up
+    stop_grace_s: float = _min(0.0, 10.0)  # SIGTERM to every rank, SIGKILL after this
+    evict_after: int = _min(1, 2)  # failures blamed on one node before it is evicted
+    drain: bool = False  # admin: also `scontrol update State=DRAIN` an evicted node
+    loss_limit: float | None = None  # a loss above this counts as exploding; NaN/Inf always does
+    ranks_per_slot: int = _min(1, 1)  # local runs: ranks per simulated node ("slot")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -164,6 +185,7 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
 
     @property
     def world_size(self) -> int:

@@ -1,15 +1,22 @@
 """Fault injection for tests: the train loop honours MSHPC_TEST_FAULTS, read by launch/env.py.
 
-Spec: `;`-separated faults, each `KIND:rank=R:step=S`, KIND one of
+Spec: `;`-separated faults, each `KIND:rank=R:step=S` or `KIND:node=NAME:step=S` (fires on
+whichever rank runs on that node, or local slot), optionally `:attempt=A` (only in the
+supervisor's attempt A; without it, in every attempt). KIND one of
   raise  raise RuntimeError in the step (a Python crash with a traceback)
   kill   SIGKILL this rank (a crash with no chance to clean up)
   kill_in_save  SIGKILL this rank in stage 2 of the save of step S, after every shard is
                 written and before rank 0 commits (so on rank 0 the save is never committed)
+  stop   SIGSTOP this rank (a hang: the process is frozen, its heartbeat falls silent)
+  raise_in_collective  the rank's next collective raises RuntimeError inside the comm wrapper
+  nan    this rank's next forward pass returns NaN (the loss, then the weights, go NaN)
+  corrupt_latest  flip a byte of a master tensor in the latest committed checkpoint
   slow   from step S on, each forward on rank R takes `factor` times as long, a sleep after it
          (a slower device): `slow:rank=R:step=S:factor=F`, F >= 1
 and, honoured by `mshpc preflight` (no step: `KIND:rank=R`),
   gemm_slow   this rank's GEMMs take SLOW_FACTOR times as long (the device tests and the burn)
   gemm_wrong  one element of each GEMM result on this rank is wrong (silent data corruption)
+Steps are 0-based. A bound fault (see `bind`) records a `fault_injected` event before it fires.
 """
 
 from __future__ import annotations
@@ -18,38 +25,49 @@ import itertools
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from torch import nn
 
 from mshpc.errors import ConfigError
 
-KINDS = ("raise", "kill", "kill_in_save", "slow", "gemm_slow", "gemm_wrong")
-_PHASE = {"raise": "step", "kill": "step", "kill_in_save": "save", "slow": "forward",
-          "gemm_slow": "preflight", "gemm_wrong": "preflight"}
-# the fields each kind takes; the others: rank and step
-_FIELDS = {"slow": {"rank", "step", "factor"}, "gemm_slow": {"rank"}, "gemm_wrong": {"rank"}}
+KINDS = ("raise", "kill", "kill_in_save", "stop", "raise_in_collective", "nan", "corrupt_latest",
+         "slow", "gemm_slow", "gemm_wrong")
+# every other kind fires in the step phase
+_PHASE = {"kill_in_save": "save", "slow": "forward", "gemm_slow": "preflight", "gemm_wrong": "preflight"}
+# what each kind takes besides its target (rank= or node=) and an optional attempt=
+_FIELDS = {"slow": {"step", "factor"}, "gemm_slow": set(), "gemm_wrong": set()}
 SLOW_FACTOR = 4  # gemm_slow: each GEMM runs this many times and counts once
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    rank: int
+    rank: int  # -1 for a node-targeted fault until `bind` gives it the rank running there
     step: int = 0
     factor: float = 1.0  # slow: how many times as long each forward takes
+    node: str | None = None
+    attempt: int | None = None
+    run_dir: Path | None = None  # set by `bind`: where the injection is recorded
+    ckpt_root: Path | None = None  # set by `bind`: what corrupt_latest corrupts
 
 
 def _parse_one(text: str) -> Fault:
     kind, *fields = text.strip().split(":")
     values = dict(f.split("=", 1) for f in fields if "=" in f)
-    if kind not in KINDS or set(values) != _FIELDS.get(kind, {"rank", "step"}):
-        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r} must be KIND:rank=R:step=S "
-                          f"(slow: also :factor=F; gemm_*: no step), KIND in {', '.join(KINDS)}")
+    attempt = values.pop("attempt", None)
+    extra = _FIELDS.get(kind, {"step"})
+    if kind not in KINDS or set(values) not in ({"rank", *extra}, {"node", *extra}):
+        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r} must be KIND:rank=R:step=S or "
+                          f"KIND:node=NAME:step=S [:attempt=A] (slow: also :factor=F; gemm_*: no step), "
+                          f"KIND in {', '.join(KINDS)}")
     try:
-        fault = Fault(kind, int(values["rank"]), int(values.get("step", 0)), float(values.get("factor", 1.0)))
+        fault = Fault(kind, int(values.get("rank", -1)), int(values.get("step", 0)),
+                      float(values.get("factor", 1.0)), values.get("node"),
+                      None if attempt is None else int(attempt))
     except ValueError:
-        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r}: rank and step must be integers, "
+        raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r}: rank, step and attempt must be integers, "
                           "factor a number") from None
     if fault.factor < 1:
         raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r}: factor must be >= 1")
@@ -60,14 +78,77 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
     return tuple(_parse_one(part) for part in (spec or "").split(";") if part.strip())
 
 
+def bind(faults: tuple[Fault, ...], rank: int, node: str, attempt: int, run_dir: Path,
+         ckpt_root: Path) -> tuple[Fault, ...]:
+    """The faults meant for this process (its rank or node, this attempt), ready to fire."""
+    mine = []
+    for f in faults:
+        here = f.node == node if f.node is not None else f.rank == rank
+        if here and f.attempt in (None, attempt):
+            mine.append(replace(f, rank=rank, run_dir=run_dir, ckpt_root=ckpt_root))
+    return tuple(mine)
+
+
 def inject(faults: tuple[Fault, ...], rank: int, step: int, phase: str = "step") -> None:
     """Fire the faults planned for this rank at this step (0-based) and phase, if any."""
     for fault in faults:
-        if fault.rank != rank or fault.step != step or _PHASE[fault.kind] != phase:
+        if fault.rank != rank or fault.step != step or _PHASE.get(fault.kind, "step") != phase:
             continue
-        if fault.kind in ("kill", "kill_in_save"):
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"injected fault at rank {rank} step {step}")
+        if fault.run_dir is not None:
+            from mshpc.events import append_event
+
+            target = os.readlink(fault.ckpt_root / "latest") if fault.kind == "corrupt_latest" and fault.ckpt_root else None
+            append_event(fault.run_dir, "fault_injected", fault=fault.kind, rank=rank, node=fault.node,
+                         step=step, attempt=fault.attempt, pid=os.getpid(), target=target)
+        _fire(fault, rank, step)
+
+
+def _fire(fault: Fault, rank: int, step: int) -> None:
+    message = f"injected fault at rank {rank} step {step}"
+    if fault.kind in ("kill", "kill_in_save"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif fault.kind == "raise_in_collective":
+        from mshpc.parallel.comm import RECORDER
+
+        RECORDER.fail_next(f"{message} (inside a collective)")
+    elif fault.kind == "nan":
+        _poison_next_forward()
+    elif fault.kind == "corrupt_latest":
+        assert fault.ckpt_root is not None, "corrupt_latest needs a bound fault"
+        _corrupt_latest(fault.ckpt_root)
+    else:
+        raise RuntimeError(message)
+
+
+def _poison_next_forward() -> None:
+    """The first floating-point module output of the next forward becomes NaN (as a silent
+    data corruption on this rank would make it), through torch's global forward hook."""
+    import torch
+
+    def hook(module: torch.nn.Module, args: object, output: object) -> object:
+        if isinstance(output, torch.Tensor) and output.is_floating_point():
+            handle.remove()
+            return output * float("nan")
+        return None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+
+
+def _corrupt_latest(root: Path) -> None:
+    """Flip one byte of the largest master tensor of shard 0 of the latest checkpoint."""
+    import h5py
+
+    shard = root / "latest" / "shard-00000.h5"
+    with h5py.File(shard, "r") as f:
+        name = max(f["master"], key=lambda n: f["master"][n].size)
+        offset = f["master"][name].id.get_offset()
+    with open(shard, "r+b") as f:
+        f.seek(offset + 16)
+        byte = f.read(1)
+        f.seek(offset + 16)
+        f.write(bytes([byte[0] ^ 0x01]))
 
 
 def planned(faults: tuple[Fault, ...], kind: str, rank: int) -> bool:

@@ -20,8 +20,9 @@ from mshpc.diagnose.collector import build_collector
 from mshpc.diagnose.mfu import mfu, peak_tflops
 from mshpc.diagnose.timers import phase
 from mshpc.errors import ConfigError, MshpcError
-from mshpc.faults import Fault, inject, install_slowdown, parse_faults
+from mshpc.faults import Fault, bind, inject, install_slowdown, parse_faults
 from mshpc.launch.env import LaunchEnv
+from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.model.gpt import GPT
@@ -132,7 +133,7 @@ def build_model_step(cfg: Config, mesh: Mesh, rt: Runtime) -> tuple[ZeroEngine, 
 
 
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
-                 faults: tuple[Fault, ...] = ()) -> list[float]:
+                 faults: tuple[Fault, ...] = (), beat: Heartbeat | None = None) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
     p = cfg.parallel
     mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))  # every group, once
@@ -154,17 +155,21 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "none")
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     losses: list[float] = []
+    beat = beat or start_heartbeat(cfg, None, info.rank, info.node)
     try:
         for step in range(start_step, cfg.train.steps):
             start, wait_before = time.perf_counter(), loader.wait_s
             diag.begin_step(step + 1)
+            beat.phase("data", step)
             with phase("data"):
                 batch = next(loader)
+            beat.phase("step", step)
             inject(faults, info.rank, step)
             loss, grad_norm = step_fn(batch)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(loss.item())
+            beat.phase("checkpoint", step, losses[-1])  # raises LossDiverged before a NaN is saved
             with phase("checkpoint"):  # stage 1; stage 2 overlaps the next steps
                 blocking_s = ckpt.maybe_save(step + 1)
             step_time_s = time.perf_counter() - start
@@ -201,7 +206,10 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
     try:
         info = init_distributed(env)
         cfg = resolve_world(cfg, info.world_size)
-        return run_training(cfg, info, build_runtime(cfg.train, info), watcher, parse_faults(env.test_faults))
+        faults = bind(parse_faults(env.test_faults), info.rank, info.node, env.supervisor.attempt if env.supervisor else 0,
+                      run_path(cfg), checkpoint_root(cfg, run_path(cfg)))
+        with start_heartbeat(cfg, env.supervisor, info.rank, info.node) as beat:
+            return run_training(cfg, info, build_runtime(cfg.train, info), watcher, faults, beat)
     finally:
         watcher.close()
         shutdown_distributed()

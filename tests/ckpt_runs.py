@@ -12,7 +12,8 @@ from mshpc.checkpoint.manifest import Manifest, write_manifest
 from mshpc.checkpoint.tensor_slice import TensorSlice
 
 STEPS = 8
-CKPT = ["checkpoint.interval_steps=4", "checkpoint.keep=3", f"train.steps={STEPS}"]
+# max_restarts=0: these tests restart by hand, to see what a crash leaves (tests/faults: on its own)
+CKPT = ["checkpoint.interval_steps=4", "checkpoint.keep=3", f"train.steps={STEPS}", "supervisor.max_restarts=0"]
 
 
 def run(tmp_path, cache, name, *overrides, nproc=2, faults=None, expect=0):

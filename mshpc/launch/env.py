@@ -33,6 +33,16 @@ class SlurmEnv:
 
 
 @dataclass(frozen=True)
+class SupervisorLink:
+    """Where this rank's heartbeats go (set by mshpc's supervisor for the ranks it starts)."""
+
+    host: str
+    port: int
+    token: str  # names the attempt: the supervisor ignores ranks of an earlier one
+    attempt: int  # 0 for the first start of the ranks, +1 for each restart
+
+
+@dataclass(frozen=True)
 class LaunchEnv:
     launcher: Launcher
     rank: int  # provisional for "mpi": mpi4py's communicator is the authority
@@ -44,6 +54,7 @@ class LaunchEnv:
     master_port: int | None
     slurm: SlurmEnv | None
     test_faults: str | None  # MSHPC_TEST_FAULTS: fault injection, honoured only by tests
+    supervisor: SupervisorLink | None = None  # MSHPC_SUPERVISOR=host:port, MSHPC_SUPERVISOR_TOKEN, MSHPC_ATTEMPT
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
@@ -99,7 +110,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     env = os.environ if environ is None else environ
     slurm = _slurm(env)
     launcher = _detect(env, slurm)
-    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    # MSHPC_NODE: the slot (simulated node) the local supervisor put this rank on
+    node = env.get("SLURMD_NODENAME") or env.get("MSHPC_NODE") or socket.gethostname()
     addr, port = env.get("MASTER_ADDR"), _int(env, "MASTER_PORT")
     if launcher == "mpi":
         rank, world, local, local_world = _mpi_env(env)
@@ -118,8 +130,19 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(
         launcher=launcher, rank=rank, world_size=world, local_rank=local,  # type: ignore[arg-type]
         local_world_size=local_world, node=node, master_addr=addr, master_port=port,  # type: ignore[arg-type]
-        slurm=slurm, test_faults=env.get("MSHPC_TEST_FAULTS") or None,
+        slurm=slurm, test_faults=env.get("MSHPC_TEST_FAULTS") or None, supervisor=_supervisor(env),
     )
+
+
+def _supervisor(env: Mapping[str, str]) -> SupervisorLink | None:
+    raw = env.get("MSHPC_SUPERVISOR")
+    if not raw:
+        return None
+    host, sep, port = raw.rpartition(":")
+    if not sep or not port.isdigit():
+        raise LaunchError(f"MSHPC_SUPERVISOR={raw!r} must be HOST:PORT")
+    return SupervisorLink(host=host, port=int(port), token=env.get("MSHPC_SUPERVISOR_TOKEN", ""),
+                          attempt=_int(env, "MSHPC_ATTEMPT", 0))  # type: ignore[arg-type]
 
 
 def _tasks_on_node(env: Mapping[str, str]) -> int:

@@ -29,6 +29,7 @@ class RankProcess:
     proc: subprocess.Popen[bytes]
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     exited_at: float | None = None
+    exited_wall: float | None = None  # time.time(), comparable with the ranks' own reports
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def _pump(rp: RankProcess) -> None:
 def _watch(rp: RankProcess, changed: threading.Event) -> None:
     rp.proc.wait()
     rp.exited_at = time.monotonic()
+    rp.exited_wall = time.time()
     changed.set()
 
 
@@ -80,17 +82,22 @@ def _start(argv: Sequence[str], rank: int, nproc: int, port: int, extra_env: dic
     return RankProcess(rank=rank, proc=proc)
 
 
-def _stop_all(ranks: list[RankProcess]) -> None:
-    alive = [r.proc for r in ranks if r.proc.poll() is None]
-    for p in alive:
+def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> list[int]:
+    """SIGTERM every live process, SIGKILL those still alive after `grace_s` (a stopped or hung
+    one); returns the indices of the processes that needed SIGKILL."""
+    alive = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
+    for _, p in alive:
         p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in alive:
+    deadline = time.monotonic() + grace_s
+    killed = []
+    for i, p in alive:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+            killed.append(i)
+    return killed
 
 
 def _first_failure(ranks: list[RankProcess]) -> RankProcess | None:
@@ -100,27 +107,45 @@ def _first_failure(ranks: list[RankProcess]) -> RankProcess | None:
     return min(failed, key=lambda r: r.exited_at or 0.0, default=None)
 
 
+class LocalRanks:
+    """`python -m mshpc ARGV` as N ranks on this machine, with their stderr prefixed and kept."""
+
+    def __init__(self, argv: Sequence[str], rank_env: Sequence[dict[str, str]]) -> None:
+        port = free_port()
+        self.ranks = [_start(argv, r, len(rank_env), port, env) for r, env in enumerate(rank_env)]
+        self.changed = threading.Event()
+        self._threads = [threading.Thread(target=f, args=a, daemon=True)
+                         for r in self.ranks for f, a in ((_pump, (r,)), (_watch, (r, self.changed)))]
+        for t in self._threads:
+            t.start()
+
+    def all_exited(self) -> bool:
+        return all(r.exited_at is not None for r in self.ranks)
+
+    def first_failure(self) -> RankFailure | None:
+        failed = _first_failure(self.ranks)
+        if failed is None:
+            return None
+        return RankFailure(rank=failed.rank, returncode=failed.proc.returncode, last_lines=tuple(failed.tail))
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> list[int]:
+        """Stop every rank (see `stop_all`); returns the ranks that needed SIGKILL."""
+        killed = stop_all([r.proc for r in self.ranks], grace_s)
+        for t in self._threads:
+            t.join(timeout=STOP_GRACE_S)
+        return killed
+
+
 def launch_local(
     argv: Sequence[str], nproc: int, extra_env: dict[str, str] | None = None
 ) -> RankFailure | None:
     """Run `python -m mshpc ARGV` as `nproc` ranks; return the first failure, or None."""
-    port = free_port()
-    ranks = [_start(argv, r, nproc, port, extra_env or {}) for r in range(nproc)]
-    changed = threading.Event()
-    pumps = [threading.Thread(target=_pump, args=(r,), daemon=True) for r in ranks]
-    watchers = [threading.Thread(target=_watch, args=(r, changed), daemon=True) for r in ranks]
-    for t in pumps + watchers:
-        t.start()
+    ranks = LocalRanks(argv, [dict(extra_env or {}) for _ in range(nproc)])
     try:
-        while any(r.exited_at is None for r in ranks) and _first_failure(ranks) is None:
-            changed.wait(timeout=1.0)
-            changed.clear()
+        while not ranks.all_exited() and ranks.first_failure() is None:
+            ranks.changed.wait(timeout=1.0)
+            ranks.changed.clear()
     finally:
         # Also on KeyboardInterrupt: never leave ranks orphaned, blocked in a collective.
-        _stop_all(ranks)
-        for t in watchers + pumps:
-            t.join(timeout=STOP_GRACE_S)
-    failed = _first_failure(ranks)
-    if failed is None:
-        return None
-    return RankFailure(rank=failed.rank, returncode=failed.proc.returncode, last_lines=tuple(failed.tail))
+        ranks.stop()
+    return ranks.first_failure()

@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -136,19 +136,24 @@ def job_key(slurm: SlurmEnv) -> str:
     return str(slurm.job_id)
 
 
-def requeue(env: LaunchEnv) -> bool:
-    """`scontrol requeue` this job (rank 0 only); False, logged, when that is not possible."""
+def requeue(env: LaunchEnv, hold: bool = False) -> bool:
+    """`scontrol requeue` this job (rank 0 only; `hold`: requeuehold, for a change before its
+    release); False, logged, when that is not possible."""
     if env.slurm is None:
         log.warning("not running under Slurm: nothing to requeue")
         return False
     key = job_key(env.slurm)
+    verb = "requeuehold" if hold else "requeue"
     try:
-        out = subprocess.run(["scontrol", "requeue", key], capture_output=True, text=True, timeout=60)
+        # its own session: the preempt signals a launcher sends to the rank's process group
+        # (Hydra does; several copies may come) must not kill scontrol half-way
+        out = subprocess.run(["scontrol", verb, key], capture_output=True, text=True, timeout=60,
+                             start_new_session=True)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        log.error("scontrol requeue %s failed: %s", key, exc)
+        log.error("scontrol %s %s failed: %s", verb, key, exc)
         return False
     if out.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", key, out.stderr.strip())
+        log.error("scontrol %s %s failed: %s", verb, key, out.stderr.strip())
         return False
     log.warning("requeued Slurm job %s", key)
     return True
@@ -193,11 +198,11 @@ def latest_checkpoint_step(cfg: Config) -> int | None:
     return latest_step(checkpoint_root(cfg, run_path(cfg)))
 
 
-def requeue_guarded(env: LaunchEnv, cfg: Config) -> bool:
+def requeue_guarded(env: LaunchEnv, cfg: Config, hold: bool = False) -> bool:
     """Requeue unless the job has failed too often without a newer checkpoint (rank 0 or the
     batch script); the history is saved first, as the requeue ends this process."""
     if env.slurm is None:
-        return requeue(env)
+        return requeue(env, hold)
     run_dir, key = run_path(cfg), job_key(env.slurm)
     state = account(read_state(run_dir), key, latest_checkpoint_step(cfg))
     budget = cfg.slurm.max_failures_without_progress
@@ -207,7 +212,7 @@ def requeue_guarded(env: LaunchEnv, cfg: Config) -> bool:
                   "(slurm.max_failures_without_progress=%d)", state.failures_without_progress, budget)
         return False
     write_state(run_dir, dataclasses.replace(state, requeued_restart=env.slurm.restart_count))
-    if requeue(env):
+    if requeue(env, hold):
         return True
     write_state(run_dir, state)
     return False
@@ -258,14 +263,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
+def run_batch_helper(args: argparse.Namespace, body: Callable[[Config, LaunchEnv], int]) -> int:
+    """What every batch-script helper does first: load CONFIG --set ... and the launch
+    environment, then run `body`; a user error is one line and DO_NOT_REQUEUE_EXIT."""
     logging.basicConfig(level=logging.INFO, format="mshpc: %(message)s")
     try:
-        cfg, env = load_config(args.config, args.set), read_launch_env()
+        return body(load_config(args.config, args.set), read_launch_env())
     except MshpcError as exc:
         print(f"mshpc: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return DO_NOT_REQUEUE_EXIT
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    return run_batch_helper(args, lambda cfg, env: _guard(args, cfg, env))
+
+
+def _guard(args: argparse.Namespace, cfg: Config, env: LaunchEnv) -> int:
     if args.what == "check":
         done = env.slurm is not None and finished_by(run_path(cfg), job_key(env.slurm))
         print("finished" if done else "run")

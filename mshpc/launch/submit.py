@@ -71,6 +71,7 @@ class TrainTask:
     config_path: str
     token: str  # names this submission in the FINISHED marker
     local_nproc: int  # ranks to start when no launcher started them (cluster="local")
+    tasks_per_node: int = 1  # ranks per node under Slurm
 
     def __call__(self) -> None:
         from mshpc.launch.env import read_launch_env
@@ -82,18 +83,40 @@ class TrainTask:
         env = read_launch_env()
         # as `mshpc train` logs: rank 0 its progress, the others only warnings and errors
         logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="mshpc: %(message)s")
-        if env.launcher == "single" and self.local_nproc > 1:
-            from mshpc.launch.local import launch_local
-
-            failure = launch_local(["train", self.config_path], self.local_nproc)
-            if failure is not None:
-                raise LaunchError(failure.describe())
+        if env.launcher == "single" and (env.slurm is not None or self.local_nproc > 1):
+            code = self._supervise(cfg, env)  # the batch script of the job, or cluster="local"
+            if code != 0:
+                raise LaunchError(f"training failed with exit code {code} (see {run_dir / 'events.jsonl'})")
         else:
             from mshpc.train import train
 
             train(cfg, env)
         if env.rank == 0:
             mark_finished(run_dir, self.token, latest_checkpoint_step(cfg))
+
+
+    def _supervise(self, cfg: Config, env: Any) -> int:
+        """The supervisor: under Slurm it starts each attempt's ranks as submitit tasks of this
+        job (one srun per attempt, logs where `Job.log(rank)` reads them); locally, as ranks."""
+        if env.slurm is None:
+            from mshpc.launch.supervisor import supervise_local
+
+            return supervise_local(cfg, ["train", self.config_path], self.local_nproc)
+        import subprocess
+        import sys
+
+        import submitit
+
+        from mshpc.launch.slurm_supervisor import StepSpec, supervise_slurm
+
+        job = submitit.JobEnvironment()
+        folder = Path(job.paths.folder)
+        hosts = subprocess.run(["scontrol", "show", "hostnames", env.slurm.nodelist], capture_output=True,
+                               text=True, check=True).stdout.split()
+        rank_argv = (sys.executable, "-u", "-m", "submitit.core._submit", str(folder))
+        spec = StepSpec("srun", self.tasks_per_node, rank_argv, str(folder / f"{job.job_id}_%t_log.out"),
+                        env.slurm.job_id, error=str(folder / f"{job.job_id}_%t_log.err"))
+        return supervise_slurm(cfg, env, hosts, spec)
 
 
 @dataclass(frozen=True)
@@ -178,19 +201,23 @@ def build_executor(folder: Path, cluster: str | None, nodes: int, tasks_per_node
     check_slurm_parameters(slurm_kwargs)
     kwargs = {f"slurm_{k}": v for k, v in slurm_kwargs.items()}
     delay_s = kwargs.pop("slurm_signal_delay_s", SIGNAL_DELAY_S)
-    extra = {"signal": f"{preempt_signal}@{delay_s}", "requeue": True, **kwargs.pop("slurm_additional_parameters", {})}
+    # no-kill: a failed node shrinks the allocation; the supervisor replaces it (a spare) or requeues
+    extra = {"signal": f"{preempt_signal}@{delay_s}", "requeue": True, "no-kill": True,
+             **kwargs.pop("slurm_additional_parameters", {})}
     executor = submitit.AutoExecutor(folder=folder / "%j", cluster=cluster)
     local = executor.cluster != "slurm"
     executor.update_parameters(
         name=name, nodes=1 if local else nodes, tasks_per_node=1 if local else tasks_per_node,
         timeout_min=time_minutes(time), slurm_additional_parameters=extra, **kwargs,
+        # the batch script runs the supervisor, which starts the ranks (one srun per attempt)
+        **({} if local else {"slurm_use_srun": False}),
         **({"gpus_per_node": gpus_per_node} if gpus_per_node else {}),
         **({"slurm_partition": partition} if partition else {}),
     )
     return executor
 
 
-def _tasks(cfgs: list[Config], folder: Path, nproc: int) -> list[TrainTask]:
+def _tasks(cfgs: list[Config], folder: Path, nproc: int, per_node: int) -> list[TrainTask]:
     names = [str(run_path(c)) for c in cfgs]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
@@ -201,7 +228,7 @@ def _tasks(cfgs: list[Config], folder: Path, nproc: int) -> list[TrainTask]:
         token = uuid.uuid4().hex
         path = folder / f"{cfg.run.name}-{token[:8]}.yaml"
         path.write_text(dump_yaml(cfg))
-        tasks.append(TrainTask(str(path.resolve()), token, nproc))
+        tasks.append(TrainTask(str(path.resolve()), token, nproc, per_node))
     return tasks
 
 
@@ -216,9 +243,10 @@ def submit_sweep(configs: Sequence[str | Path | Config], *, nodes: int = 1, gpus
     first = cfgs[0]
     per_node = tasks_per_node or gpus_per_node or max(1, first.world_size // nodes)
     root = Path(folder) if folder is not None else Path(first.run.out_dir) / "slurm"
-    executor = build_executor(root, cluster, nodes, per_node, gpus_per_node, partition, time,
+    # the spares (train.spare_nodes) are allocated too: the supervisor keeps them for an evicted node
+    executor = build_executor(root, cluster, nodes + first.train.spare_nodes, per_node, gpus_per_node, partition, time,
                               f"mshpc-{first.run.name}", first.slurm.preempt_signal, slurm_kwargs)
-    tasks = _tasks(cfgs, root / "configs", nodes * per_node)
+    tasks = _tasks(cfgs, root / "configs", nodes * per_node, per_node)
     with executor.batch():
         jobs = [executor.submit(task) for task in tasks]
     return [Job(j, run_path(c).resolve(), t.token) for j, c, t in zip(jobs, cfgs, tasks)]

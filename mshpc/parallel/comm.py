@@ -39,11 +39,28 @@ class FlightRecorder:
         self._records: collections.deque[CollectiveRecord] = collections.deque(maxlen=depth)
         self._seq = 0
         self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._fail: str | None = None
 
     def record(self, group: str, op: str, nbytes: int) -> None:
         with self._lock:
             self._seq += 1
             self._records.append(CollectiveRecord(self._seq, group, op, nbytes))
+            self._counts[group] = self._counts.get(group, 0) + 1
+            fail, self._fail = self._fail, None
+        if fail is not None:
+            raise RuntimeError(fail)
+
+    def counts(self) -> dict[str, int]:
+        """Collectives entered per group: equal on every member of a group unless one is missing
+        from the group's latest collective (what a hang report compares across ranks)."""
+        with self._lock:
+            return dict(self._counts)
+
+    def fail_next(self, message: str) -> None:
+        """Fault injection (tests): the next collective this process enters raises RuntimeError."""
+        with self._lock:
+            self._fail = message
 
     def snapshot(self) -> list[CollectiveRecord]:
         with self._lock:

@@ -1,4 +1,5 @@
-"""The local launcher stops every rank when one fails and says which one and why."""
+"""The local launcher stops every rank when one fails and says which one and why (with restarts
+off: tests/faults has the supervisor's restarts)."""
 
 import time
 
@@ -7,7 +8,7 @@ from cli_runner import mshpc, train_args
 
 def test_a_rank_that_raises_is_named_with_its_error(tmp_path, corpus_cache):
     start = time.monotonic()
-    out = mshpc(*train_args(tmp_path, corpus_cache, "train.steps=50"), "--nproc", "2",
+    out = mshpc(*train_args(tmp_path, corpus_cache, "train.steps=50", "supervisor.max_restarts=0"), "--nproc", "2",
                 env={"MSHPC_TEST_FAULTS": "raise:rank=1:step=2"})
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
@@ -16,7 +17,7 @@ def test_a_rank_that_raises_is_named_with_its_error(tmp_path, corpus_cache):
 
 
 def test_a_killed_rank_is_named_with_its_signal(tmp_path, corpus_cache):
-    out = mshpc(*train_args(tmp_path, corpus_cache, "train.steps=50"), "--nproc", "2",
+    out = mshpc(*train_args(tmp_path, corpus_cache, "train.steps=50", "supervisor.max_restarts=0"), "--nproc", "2",
                 env={"MSHPC_TEST_FAULTS": "kill:rank=0:step=1"})
     assert out.returncode == 128 + 9
     assert out.stderr.strip().splitlines()[-1] == "mshpc: rank 0 was killed by SIGKILL"

@@ -72,7 +72,9 @@ def test_config_error_exits_do_not_requeue_and_is_not_requeued(slurm, corpus_cac
 
 
 def test_crashes_without_progress_stop_the_requeue_loop(slurm, corpus_cache):
-    sets = slurm.train_sets(corpus_cache, "train.steps=20", "slurm.max_failures_without_progress=1")
+    # supervisor.max_restarts=0: the requeue loop's own guard, without restarts inside the job
+    sets = slurm.train_sets(corpus_cache, "train.steps=20", "slurm.max_failures_without_progress=1",
+                            "supervisor.max_restarts=0")
     job = slurm.sbatch(TEMPLATE, CONFIG, *sets, env={"MSHPC_TEST_FAULTS": "raise:rank=1:step=1"})
     info = slurm.wait_done(job)
     assert (info["JobState"], info["Restarts"]) == ("FAILED", "1"), slurm.batch_log(job)

@@ -1,0 +1,113 @@
+"""Detection: from what the ranks said (and, locally, how their processes ended) to one decision:
+running, finished, stopped on request, or failed (crash, hang, diverged loss, user error).
+
+A crash is a rank that ended without saying "ok": its "failed" message, or its connection and
+process ending without one (SIGKILL, a lost node). The earliest such rank is the one that failed;
+the others usually only echo it (their peer went away mid-collective). A hang is a rank whose
+current phase has lasted longer than that phase's timeout (mshpc/launch/timeouts.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from mshpc.config import SupervisorConfig
+from mshpc.launch.monitor import RankState
+from mshpc.launch.timeouts import phase_timeout
+
+Kind = Literal["crash", "hang", "loss", "user_error"]
+USER_ERROR_EXIT = 2  # what the CLI exits with on any MshpcError
+SETTLE_S = 0.5  # after a first failure, what else ended this soon after is taken in before deciding
+
+
+@dataclass(frozen=True)
+class Detection:
+    kind: Kind
+    rank: int | None  # the failing (crash, loss) or most stuck (hang) rank
+    detail: str  # one line, in the words the local launcher always used
+    exit_code: int  # the supervisor's own exit code if it gives up here
+    time_to_detect_s: float  # from the first sign of the fault (end of rank, start of hung phase)
+    phase: str
+    step: int
+    timeout_s: float | None = None
+    timeout_why: str | None = None
+
+
+def _ended_at(s: RankState) -> float | None:
+    """Wall time (time.time) at which a rank failed, or None if it has not (or ended well)."""
+    if s.outcome is not None and s.outcome.get("type") == "exit":
+        return None
+    if s.exit_code == 0:
+        return None
+    times = [t for t in (s.outcome.get("t") if s.outcome else None, s.exited_at, s.closed_at) if t is not None]
+    return min(times, default=None)
+
+
+def describe(s: RankState) -> tuple[str, int]:
+    """How rank `s` ended, in one line, and the exit code it stands for."""
+    code = s.exit_code
+    if code is not None and code < 0:
+        return f"rank {s.rank} was killed by {signal.Signals(-code).name}", 128 - code
+    if s.outcome is not None and s.outcome.get("type") == "failed":
+        why = f"{s.outcome['error']}: {s.outcome['message']}" if s.outcome["message"] else s.outcome["error"]
+        exit_code = code if code is not None else (USER_ERROR_EXIT if s.outcome.get("user_error") else 1)
+        return f"rank {s.rank} exited with code {exit_code}: {why}", exit_code
+    if code is not None:
+        return s.exit_detail or f"rank {s.rank} exited with code {code}", code
+    return f"rank {s.rank} on {s.host or 'an unknown host'} vanished (its heartbeat connection closed)", 1
+
+
+def first_failure(states: dict[int, RankState]) -> tuple[RankState, float] | None:
+    failed = [(s, t) for s in states.values() if (t := _ended_at(s)) is not None]
+    return min(failed, key=lambda st: st[1], default=None)
+
+
+def _failure(states: dict[int, RankState], now_wall: float) -> Detection | None:
+    found = first_failure(states)
+    if found is None or now_wall - found[1] < SETTLE_S:
+        return None
+    s, at = found
+    detail, code = describe(s)
+    outcome = s.outcome or {}
+    user_error = outcome.get("user_error") or (not outcome and s.exit_code == USER_ERROR_EXIT)
+    kind: Kind = "loss" if outcome.get("loss_diverged") else "user_error" if user_error else "crash"
+    # The first sign is the rank's end itself; the settle wait is part of detecting it.
+    return Detection(kind, s.rank, detail, code, max(0.0, now_wall - at), outcome.get("phase", s.phase),
+                     outcome.get("step", s.step))
+
+
+def _hang(states: dict[int, RankState], cfg: SupervisorConfig, now: float, started_at: float) -> Detection | None:
+    worst = None
+    for s in states.values():
+        if s.ended:
+            continue
+        timeout = phase_timeout(cfg, s.phase, (r.medians[s.phase] for r in states.values() if s.phase in r.medians))
+        stuck = s.stuck_s(now, started_at)
+        if stuck > timeout.seconds and (worst is None or stuck - timeout.seconds > worst[1]):
+            worst = (s, stuck - timeout.seconds, stuck, timeout)
+    if worst is None:
+        return None
+    s, _, stuck, timeout = worst
+    detail = (f"no progress for {stuck:.1f} s in phase {s.phase} of step {s.step + 1} on rank {s.rank} "
+              f"(timeout {timeout.seconds:.1f} s: {timeout.why})")
+    return Detection("hang", s.rank, detail, 1, stuck, s.phase, s.step, timeout.seconds, timeout.why)
+
+
+def detect(states: dict[int, RankState], cfg: SupervisorConfig, started_at: float) -> Detection | None:
+    """The failure to act on now, if any (crashes before hangs: a crash makes its peers hang)."""
+    return _failure(states, time.time()) or _hang(states, cfg, time.monotonic(), started_at)
+
+
+def all_finished(states: dict[int, RankState]) -> bool:
+    return all(s.exit_code == 0 or (s.outcome or {}).get("how") == "ok" for s in states.values())
+
+
+def stop_request(states: dict[int, RankState]) -> int | None:
+    """The exit code of a requested stop (the preemption checkpoint), once a rank reports one."""
+    for s in states.values():
+        if (s.outcome or {}).get("how") == "stopped":
+            return int(s.outcome["code"] or 0)  # type: ignore[index]
+    return None

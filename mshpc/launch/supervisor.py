@@ -1,0 +1,336 @@
+"""The supervisor: start the ranks, watch their heartbeats, and on a crash, hang or diverged loss
+stop them all, say why, evict a node blamed twice, and restart from the latest good checkpoint,
+up to `supervisor.max_restarts` times. It runs where the ranks are started: `mshpc train --nproc N`
+(local ranks on simulated nodes, "slots") and the batch script of a Slurm job (one srun per attempt).
+
+Every decision is an event in <run dir>/events.jsonl; at the end, `run_end` gives the effective
+training time ratio, the failures, the times to detect and to recover.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from mshpc.config import Config
+from mshpc.events import append_event
+from mshpc.launch.detection import Detection, all_finished, detect, stop_request
+from mshpc.launch.hang_report import REPORT_FILE, Missing, missing_ranks, where, write_hang_report
+from mshpc.launch.monitor import Monitor, RankState
+from mshpc.launch.recovery import NodePool, PastFailure, Verdict, classify
+from mshpc.launch.requeue import JobStopped
+from mshpc.run_dir import run_path
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+DUMP_WAIT_S = 5.0  # how long live ranks get to send their stacks for the hang report
+USER_ERROR_EXIT = 2
+EXIT_WAIT_S = 60.0  # ranks that all said "ok" get this long to exit before they are stopped
+
+
+class Ranks(Protocol):
+    """One attempt's ranks, however they were started (local processes, an srun step)."""
+
+    def update(self, states: dict[int, RankState]) -> None: ...  # what the launcher knows of exits
+    def stop(self, grace_s: float) -> list[int]: ...  # SIGTERM, then SIGKILL; ranks that needed it
+
+
+# start(attempt, hosts, env for every rank) -> the running ranks
+Starter = Callable[[int, list[str], dict[str, str]], Ranks]
+# hosts the scheduler reports unusable, with their state (Slurm's sinfo; nothing locally)
+DownCheck = Callable[[list[str]], dict[str, str]]
+# what to do when an evicted node leaves too few: requeue elsewhere (Slurm) or give up (None)
+Requeue = Callable[[list[str]], bool]
+
+
+@dataclass
+class Attempt:
+    number: int
+    hosts: list[str]
+    started_at: float  # monotonic
+    resumed_from: int | None = None  # the step the ranks resumed from (seen in their first beat)
+    first_step_at: float | None = None  # when a first step finished: training goes on
+
+
+@dataclass
+class Tally:
+    """What `run_end` reports."""
+
+    started_wall: float = field(default_factory=time.time)
+    failures: list[str] = field(default_factory=list)
+    detect_s: list[float] = field(default_factory=list)
+    recover_s: list[float] = field(default_factory=list)
+    detected_at: float | None = None  # monotonic, of the failure being recovered from
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, world: int, pool: NodePool, start: Starter, bind_host: str,
+                 down: DownCheck = lambda hosts: {}, requeue: Requeue | None = None) -> None:
+        self.cfg, self.scfg, self.world, self.pool = cfg, cfg.supervisor, world, pool
+        self.start, self.bind_host, self.down, self.requeue = start, bind_host, down, requeue
+        self.run_dir = run_path(cfg)
+        self.tally = Tally()
+        self.past: PastFailure | None = None
+        self._last_verdict: Verdict | None = None
+        self.stopping = False  # set when the job is told to stop (scancel, time limit): no restarts
+        self.requeued = False
+
+    def event(self, kind: str, **fields: Any) -> None:
+        append_event(self.run_dir, kind, **fields)
+
+    # ---------------------------------------------------------------- the attempts
+
+    def run(self) -> int:
+        """Train to the end, restarting as allowed; returns the exit code for the caller, or
+        raises JobStopped (a SystemExit) when the job stopped on request or was requeued."""
+        self.event("supervisor_start", world=self.world, hosts=self.pool.active, spares=self.pool.spares,
+                   knobs=_knobs(self.cfg))
+        restarts = 0
+        for number in range(self.scfg.max_restarts + 1):
+            code, det = self._attempt(number)
+            if det is None and code == 0:
+                return self._end("finished", code)
+            if det is None:  # stopped on request after a checkpoint: as the ranks did, not a failure
+                raise JobStopped(self._end("stopped", code))
+            if not self._recoverable(det, restarts):
+                user_error = self._last_verdict is not None and self._last_verdict.cls == "user_error"
+                code = self._end("requeued" if self.requeued else "failed", USER_ERROR_EXIT if user_error else det.exit_code)
+                if self.requeued:  # the job goes on elsewhere: no result to record (submitit)
+                    raise JobStopped(code)
+                print(f"mshpc: {det.detail}", file=sys.stderr)  # the last line says what failed
+                return code
+            restarts += 1
+        raise AssertionError("unreachable: the last attempt either ends or is not recoverable")
+
+    def _attempt(self, number: int) -> tuple[int, Detection | None]:
+        token = uuid.uuid4().hex
+        monitor = Monitor(self.world, token, self.bind_host)
+        address = socket.gethostname() if self.bind_host != "127.0.0.1" else "127.0.0.1"
+        env = {"MSHPC_SUPERVISOR": f"{address}:{monitor.port}", "MSHPC_SUPERVISOR_TOKEN": token,
+               "MSHPC_ATTEMPT": str(number)}
+        attempt = Attempt(number, list(self.pool.active), time.monotonic())
+        self.event("attempt_start", attempt=number, hosts=attempt.hosts)
+        ranks = self.start(number, attempt.hosts, env)
+        try:
+            code, det = self._watch(monitor, ranks, attempt)
+            if det is not None:
+                self._handle(det, monitor, ranks, attempt, token)
+            return code, det
+        finally:
+            ranks.stop(self.scfg.stop_grace_s)
+            monitor.close()
+
+    def _watch(self, monitor: Monitor, ranks: Ranks, attempt: Attempt) -> tuple[int, Detection | None]:
+        done_at = None
+        while True:
+            monitor.changed.wait(POLL_S)
+            monitor.changed.clear()
+            ranks.update(monitor.ranks)
+            self._track(monitor.ranks, attempt)
+            # finished, or stopping on request (a checkpoint after a signal): let the ranks exit
+            # on their own (teardown, submitit's result files) before stopping any
+            code = 0 if all_finished(monitor.ranks) else stop_request(monitor.ranks)
+            if code is not None:
+                done_at = done_at or time.monotonic()
+                exited = all(s.exited_at is not None for s in monitor.ranks.values())
+                if exited or time.monotonic() - done_at > EXIT_WAIT_S:
+                    return code, None
+                continue
+            det = detect(monitor.ranks, self.scfg, attempt.started_at)
+            if det is not None:
+                return det.exit_code, det
+
+    def _track(self, states: dict[int, RankState], attempt: Attempt) -> None:
+        """Note where the attempt resumed and when its first step finished (recovery time)."""
+        first = states[0]
+        if attempt.resumed_from is None and first.start_step is not None:
+            attempt.resumed_from = first.start_step
+            self.event("resumed", attempt=attempt.number, from_step=first.start_step)
+        trained = first.start_step is not None and first.step > first.start_step
+        if attempt.first_step_at is None and (trained or (first.outcome or {}).get("how") == "ok"):
+            attempt.first_step_at = time.monotonic()
+            if self.tally.detected_at is not None:
+                took = attempt.first_step_at - self.tally.detected_at
+                self.tally.recover_s.append(took)
+                self.event("recovered", attempt=attempt.number, time_to_recover_s=took,
+                           resumed_from=attempt.resumed_from)
+
+    # ---------------------------------------------------------------- a failure
+
+    def _handle(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt, token: str) -> None:
+        states = monitor.ranks
+        self.tally.detected_at = time.monotonic()
+        self.tally.failures.append(det.kind)
+        self.tally.detect_s.append(det.time_to_detect_s)
+        s = states[det.rank] if det.rank is not None else None
+        self.event("failure_detected", attempt=attempt.number, failure=det.kind, rank=det.rank,
+                   host=s.host if s else None, coords=s.coords if s else None, phase=det.phase,
+                   step=det.step + 1, detail=det.detail, time_to_detect_s=det.time_to_detect_s,
+                   timeout_s=det.timeout_s, timeout_why=det.timeout_why)
+        log.warning("supervisor: %s", det.detail)
+        missing = self._report_hang(det, monitor, attempt, token) if det.kind == "hang" else []
+        began = time.monotonic()
+        killed = ranks.stop(self.scfg.stop_grace_s)
+        self.event("ranks_stopped", attempt=attempt.number, stop_s=time.monotonic() - began, sigkilled=killed)
+        same = self.past == (now := PastFailure(det.kind, det.rank, det.step, det.detail, attempt.resumed_from))
+        self.past = now
+        self._last_verdict = classify(det, states, missing, self.down(attempt.hosts), same)
+        self.event("classified", attempt=attempt.number, fault_class=self._last_verdict.cls,
+                   blame=list(self._last_verdict.blame), reason=self._last_verdict.reason)
+
+    def _report_hang(self, det: Detection, monitor: Monitor, attempt: Attempt, token: str) -> list[Missing]:
+        """Before anything is stopped: every live rank's stacks and flight recorder, the missing
+        ranks, hang-report.txt."""
+        states = monitor.ranks
+        monitor.request_dumps(min(DUMP_WAIT_S, self.scfg.stop_grace_s + 1))
+        silent_after = max(3 * self.scfg.heartbeat_interval_s, 2.0)
+        missing = missing_ranks(states, silent_after, attempt.started_at, token)
+        path = write_hang_report(self.run_dir / REPORT_FILE, det, states, missing, attempt.number, attempt.started_at)
+        self.event("hang_report", attempt=attempt.number, path=str(path),
+                   missing=[{"rank": m.rank, "host": states[m.rank].host, "coords": states[m.rank].coords,
+                             "why": m.why} for m in missing])
+        for m in missing:
+            log.warning("supervisor: missing %s: %s", where(states[m.rank]), m.why)
+        return missing
+
+    def _recoverable(self, det: Detection, restarts: int) -> bool:
+        """Evict what must go; then whether a restart is allowed and possible."""
+        verdict = self._last_verdict
+        assert verdict is not None, "classified in _handle"
+        if verdict.cls == "user_error":
+            return False
+        for host in verdict.blame:
+            count = self.pool.blame(host)
+            if self.pool.should_evict(host, verdict.evict_now) and not self._evict(host, count, verdict):
+                return False
+        if self.stopping:
+            self.event("gave_up", reason="the job is stopping (a signal came)")
+            return False
+        if restarts >= self.scfg.max_restarts:
+            self.event("gave_up", reason=f"supervisor.max_restarts={self.scfg.max_restarts} restarts used")
+            return False
+        latest = _latest_committed(self.cfg)
+        self.event("restart", attempt=restarts + 1, hosts=self.pool.active, latest_checkpoint=latest)
+        log.warning("supervisor: restart %d of %d on %s from the latest good checkpoint (newest: %s)",
+                    restarts + 1, self.scfg.max_restarts, ",".join(self.pool.active), latest)
+        return True
+
+    def _evict(self, host: str, blames: int, verdict: Verdict) -> bool:
+        replacement = self.pool.evict(host)
+        self.event("evicted", node=host, blames=blames, reason=verdict.reason, replacement=replacement)
+        log.warning("supervisor: evicted %s (%s); %s", host, verdict.reason,
+                    f"{replacement} takes its place" if replacement else "no spare left")
+        if self.scfg.drain:
+            from mshpc.launch.drain import drain
+
+            self.event("drain", node=host, result=drain(host, verdict.reason))
+        if replacement is not None:
+            return True
+        if self.requeue is not None:
+            self.event("requeue", exclude=self.pool.evicted)
+            self.requeued = self.requeue(self.pool.evicted)  # the job restarts elsewhere, not here
+            return False
+        self.event("gave_up", reason=f"{host} evicted and no spare left (train.spare_nodes={self.cfg.train.spare_nodes})")
+        return False
+
+    # ---------------------------------------------------------------- the end
+
+    def _end(self, outcome: str, code: int) -> int:
+        wall = time.time() - self.tally.started_wall
+        useful = useful_step_seconds(self.run_dir / "metrics.jsonl")
+        t = self.tally
+        self.event("run_end", outcome=outcome, exit_code=code, wall_s=wall, useful_s=useful,
+                   effective_time_ratio=useful / wall if wall > 0 else None, failures=len(t.failures),
+                   failure_kinds=t.failures, time_to_detect_s=t.detect_s, time_to_recover_s=t.recover_s,
+                   evicted=self.pool.evicted)
+        if t.failures:
+            print(f"mshpc: supervisor: {len(t.failures)} failure(s) ({', '.join(t.failures)}); detected in "
+                  f"{_secs(t.detect_s)}; recovered in {_secs(t.recover_s) or '-'}; effective training time "
+                  f"{useful / wall:.0%} of {wall:.1f} s", file=sys.stderr)
+        return code
+
+
+def useful_step_seconds(metrics: Path) -> float:
+    """Seconds of the steps that count: metrics.jsonl keeps only the steps of the final history
+    (a resume drops the ones trained after the checkpoint); a record stands for the steps since
+    the previous one (run.log_interval_steps)."""
+    if not metrics.exists():
+        return 0.0
+    total, previous = 0.0, 0
+    for line in metrics.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        total += (record["step"] - previous) * (record.get("step_time_s") or 0.0)
+        previous = record["step"]
+    return total
+
+
+def _secs(values: list[float]) -> str:
+    return ", ".join(f"{v:.1f} s" for v in values)
+
+
+def _knobs(cfg: Config) -> dict[str, Any]:
+    return {**dataclasses.asdict(cfg.supervisor), "spare_nodes": cfg.train.spare_nodes}
+
+
+def _latest_committed(cfg: Config) -> int | None:
+    from mshpc.launch.requeue import latest_checkpoint_step
+
+    return latest_checkpoint_step(cfg)
+
+
+# ---------------------------------------------------------------- local ranks on slots
+
+
+def slot_hosts(cfg: Config, nproc: int) -> tuple[list[str], int]:
+    """Local "nodes": slot0, slot1, ... of supervisor.ranks_per_slot ranks each, plus the spares;
+    returns them and how many the ranks need."""
+    from mshpc.errors import ConfigError
+
+    per = cfg.supervisor.ranks_per_slot
+    if nproc % per:
+        raise ConfigError(f"supervisor.ranks_per_slot={per} does not divide the {nproc} local ranks")
+    needed = nproc // per
+    return [f"slot{i}" for i in range(needed + cfg.train.spare_nodes)], needed
+
+
+def supervise_local(cfg: Config, argv: list[str], nproc: int) -> int:
+    """`mshpc train --nproc N`: N local ranks under the supervisor; returns the exit code."""
+    from mshpc.launch.local import LocalRanks
+
+    hosts, needed = slot_hosts(cfg, nproc)
+    per = cfg.supervisor.ranks_per_slot
+
+    def start(attempt: int, active: list[str], env: dict[str, str]) -> Ranks:
+        return _LocalAttempt(LocalRanks(argv, [{**env, "MSHPC_NODE": active[r // per]} for r in range(nproc)]))
+
+    return Supervisor(cfg, nproc, NodePool(hosts, needed, cfg.supervisor.evict_after), start, "127.0.0.1").run()
+
+
+class _LocalAttempt:
+    def __init__(self, ranks: Any) -> None:
+        self.ranks = ranks
+
+    def update(self, states: dict[int, RankState]) -> None:
+        from mshpc.launch.local import RankFailure
+
+        for rp in self.ranks.ranks:
+            if rp.exited_wall is not None and states[rp.rank].exited_at is None:
+                s = states[rp.rank]
+                s.exit_code, s.exited_at = rp.proc.returncode, rp.exited_wall
+                s.exit_detail = RankFailure(rp.rank, rp.proc.returncode, tuple(rp.tail)).describe()
+
+    def stop(self, grace_s: float) -> list[int]:
+        return self.ranks.stop(grace_s)

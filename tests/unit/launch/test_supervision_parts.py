@@ -1,0 +1,121 @@
+"""The supervisor's parts on their own: timeouts, detection, blame and eviction, the hang
+report's lag analysis, fault specs, and a heartbeat talking to a monitor over a real socket."""
+
+import time
+
+import pytest
+
+from mshpc.config import SupervisorConfig
+from mshpc.errors import ConfigError
+from mshpc.faults import bind, parse_faults
+from mshpc.launch.detection import detect
+from mshpc.launch.env import SupervisorLink
+from mshpc.launch.hang_report import lagging
+from mshpc.launch.heartbeat import Heartbeat, LossDiverged
+from mshpc.launch.monitor import Monitor, RankState
+from mshpc.launch.recovery import NodePool, classify
+from mshpc.launch.timeouts import phase_timeout
+
+CFG = SupervisorConfig(timeout_k=5, timeout_floor_s=10, checkpoint_timeout_s=100, setup_timeout_s=300)
+
+
+def test_timeouts_follow_the_median_above_the_floor():
+    assert phase_timeout(CFG, "step", []).seconds == 10  # nothing observed yet: the floor
+    assert phase_timeout(CFG, "step", [1.0, 1.5]).seconds == 10  # 5 x 1.5 is below the floor
+    assert phase_timeout(CFG, "step", [1.0, 4.0]).seconds == 20  # the slowest rank's median counts
+    assert phase_timeout(CFG, "checkpoint", [4.0]).seconds == 100  # a long save is not a hang
+    assert phase_timeout(CFG, "setup", [99.0]).seconds == 300
+
+
+def states(**by_rank):
+    return {r: RankState(r, host=f"n{r}", **by_rank.get(f"r{r}", {})) for r in range(2)}
+
+
+def test_the_first_rank_to_fail_is_the_one_named():
+    now = time.time()
+    s = states(r0={"closed_at": now - 1.0, "outcome": {"type": "failed", "t": now - 1.0, "error": "RuntimeError",
+                                                         "message": "Connection closed by peer"}},
+               r1={"closed_at": now - 2.0, "exit_code": -9, "exited_at": now - 2.0})
+    det = detect(s, CFG, time.monotonic())
+    assert (det.kind, det.rank, det.detail, det.exit_code) == ("crash", 1, "rank 1 was killed by SIGKILL", 137)
+    verdict = classify(det, s, [], {}, same_as_before=False)
+    assert (verdict.cls, verdict.blame) == ("node_fault", ("n1",))
+
+
+def test_a_phase_past_its_timeout_is_a_hang():
+    s = states(r0={"last_beat_at": time.monotonic(), "phase": "step", "step": 4, "phase_s": 11.0},
+               r1={"last_beat_at": time.monotonic(), "phase": "step", "step": 4, "phase_s": 3.0})
+    det = detect(s, CFG, time.monotonic())
+    assert (det.kind, det.rank, det.timeout_s) == ("hang", 0, 10)
+    s[0].phase_s = 9.0
+    assert detect(s, CFG, time.monotonic()) is None
+
+
+def test_lagging_ranks_are_those_missing_from_a_groups_latest_collective():
+    s = {r: RankState(r, counts={"world": 7, "[0, 2]": 3}) for r in range(4)}
+    s[2].counts = {"world": 6, "[0, 2]": 3}
+    s[3].counts = {"world": 7}
+    s[0].last = [40, "world", "all_reduce", 8]
+    assert lagging(s) == {2: "missing from all_reduce #7 on group world (entered 6)"}
+
+
+def test_a_node_blamed_twice_is_evicted_and_a_spare_takes_its_place():
+    pool = NodePool(["a", "b", "c", "d"], needed=3, evict_after=2)
+    assert pool.blame("b") == 1 and not pool.should_evict("b", now=False)
+    assert pool.blame("b") == 2 and pool.should_evict("b", now=False)
+    assert pool.evict("b") == "d" and pool.active == ["a", "d", "c"] and pool.spares == []
+    assert pool.evict("c") is None and pool.active == ["a", "d"]
+
+
+def test_fault_specs_bind_to_a_rank_or_a_node_and_an_attempt(tmp_path):
+    faults = parse_faults("kill:rank=1:step=3:attempt=0;stop:node=slot2:step=5")
+    assert bind(faults, 1, "slot1", 0, tmp_path, tmp_path)[0].kind == "kill"
+    assert bind(faults, 1, "slot1", 1, tmp_path, tmp_path) == ()  # a one-shot fault stays in attempt 0
+    (stop,) = bind(faults, 3, "slot2", 4, tmp_path, tmp_path)
+    assert (stop.kind, stop.rank, stop.step) == ("stop", 3, 5)
+    with pytest.raises(ConfigError, match="KIND:rank=R:step=S or KIND:node=NAME:step=S"):
+        parse_faults("kill:step=3")
+
+
+def test_heartbeats_reach_the_monitor_and_a_dump_returns_stacks():
+    monitor = Monitor(1, "tok")
+    link = SupervisorLink("127.0.0.1", monitor.port, "tok", 0)
+    try:
+        with Heartbeat(link, {"rank": 0, "host": "h", "coords": "(dp=0, tp=0, pp=0)"}, 0.05, None) as beat:
+            for step in range(4):
+                beat.phase("step", step)
+                time.sleep(0.01)
+            deadline = time.monotonic() + 10
+            while monitor.ranks[0].step != 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            state = monitor.ranks[0]
+            assert (state.host, state.phase, state.step, state.start_step) == ("h", "step", 3, 0)
+            assert state.medians["step"] > 0
+            monitor.request_dumps(10)
+            assert "test_heartbeats_reach_the_monitor" in state.dump["stacks"]
+            with pytest.raises(LossDiverged, match="loss nan at step 5"):
+                beat.phase("checkpoint", 4, float("nan"))
+        assert monitor.ranks[0].outcome["how"] == "ok"
+    finally:
+        monitor.close()
+
+
+def test_the_checkpoint_phase_begins_only_on_steps_that_save():
+    beat = Heartbeat(None, {}, 1.0, None, save_every=2, steps=5)
+    beat.phase("step", 0)
+    beat.phase("checkpoint", 0, 3.0)  # step 1 saves nothing: still the step phase
+    assert beat._current[:2] == ("step", 0)
+    beat.phase("checkpoint", 1, 3.0)  # step 2 saves
+    assert beat._current[:2] == ("checkpoint", 1)
+    beat.phase("checkpoint", 4, 3.0)  # the last step always saves
+    assert beat._current[:2] == ("checkpoint", 4)
+
+
+def test_a_stranger_without_the_token_is_not_heard():
+    monitor = Monitor(1, "tok")
+    try:
+        with Heartbeat(SupervisorLink("127.0.0.1", monitor.port, "old", 0), {"rank": 0, "host": "h"}, 0.05, None):
+            time.sleep(0.3)
+        assert monitor.ranks[0].host is None and monitor.ranks[0].outcome is None
+    finally:
+        monitor.close()
