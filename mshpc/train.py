@@ -12,7 +12,10 @@ import torch
 
 from mshpc.checkpoint.train_checkpoint import TrainCheckpointer, checkpoint_root
 from mshpc.config import Config, TrainConfig, resolve_world
-from mshpc.data.loader import BatchLoader, build_loader
+from mshpc.data.batch import Batch
+from mshpc.data.loader import BatchLoader
+from mshpc.data.node_reader import ReaderScope
+from mshpc.data.pipeline import build_loader
 from mshpc.data.prepare import dataset_path
 from mshpc.data.shards import TokenDataset
 from mshpc.diagnose.mfu import mfu, peak_tflops
@@ -24,6 +27,7 @@ from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distrib
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
+from mshpc.parallel.mesh import MeshShape
 from mshpc.parallel.zero import ZeroEngine, build_zero_engine
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
@@ -82,7 +86,7 @@ def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
 
 
 def train_step(
-    engine: ZeroEngine, batch: torch.Tensor, cfg: Config, rt: Runtime
+    engine: ZeroEngine, batch: Batch, cfg: Config, rt: Runtime
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over the rank's batch (grad_accum micro-batches); collective over dp.
     Returns the loss averaged over the global batch and the global grad norm before clipping."""
@@ -93,7 +97,7 @@ def train_step(
         # bf16 autocast on GPU: the parameters and their gradients stay fp32, so the engine
         # accumulates and reduces gradients in fp32
         with torch.autocast(rt.device.type, dtype=rt.autocast_dtype, enabled=rt.autocast_dtype is not None):
-            loss = loss_fn(engine.model(micro[:, :-1]), micro[:, 1:]) / cfg.train.grad_accum
+            loss = loss_fn(engine.model(micro.inputs, micro.segments), micro.targets) / cfg.train.grad_accum
         engine.backward(loss, sync=i == len(micros) - 1)  # communicate on the last micro-batch only
         loss_sum += loss.detach()
     # Started before step() queues the parameter all-gathers, so waiting for it (and the .item()
@@ -105,13 +109,16 @@ def train_step(
     return loss_sum / cfg.parallel.dp, grad_norm
 
 
-def build_data(cfg: Config, info: DistInfo, start_step: int) -> BatchLoader:
+def build_data(cfg: Config, info: DistInfo, rt: Runtime, start_step: int) -> BatchLoader:
+    """This rank's loader; collective over the world (the per-node reader's start-up)."""
     dataset = open_dataset(cfg, info)
-    return build_loader(
-        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=info.rank,
-        dp_size=cfg.parallel.dp, seed=cfg.data.seed, start_step=start_step,
-        prefetch_batches=cfg.data.prefetch_batches,
-    )
+    p = cfg.parallel
+    dp_rank = MeshShape(pp=p.pp, dp=p.dp, tp=p.tp).coords(info.rank).dp
+    loader = build_loader(cfg.data, dataset, cfg.model.seq_len, cfg.global_batch, dp_rank, p.dp,
+                          start_step, rt.device, ReaderScope(node=info.node))
+    if info.rank == 0:
+        log.info("data loader: %s", loader.description)
+    return loader
 
 
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
@@ -127,7 +134,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                              engine, scheduler,
                              before_commit=lambda step: inject(faults, info.rank, step, "save"))
     start_step = ckpt.resume()
-    loader = build_data(cfg, info, start_step)
+    loader = build_data(cfg, info, rt, start_step)
     is_logger = info.rank == 0
     run_dir, metrics = create_run_dir(cfg, start_step) if is_logger else (None, None)
     progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "none")

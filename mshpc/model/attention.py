@@ -45,10 +45,20 @@ def sliding_window_mask(
     return causal if window is None else causal & (j > i - window)
 
 
+def document_mask(segments: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean (b, 1, s, s) mask for packed sequences: the rule of `sliding_window_mask`, and
+    query i and key j in the same document (segments (b, s) holds each position's document
+    number). Positions need no reset at a document's start: RoPE scores depend only on i - j."""
+    s = segments.shape[-1]
+    same_doc = segments.unsqueeze(-1) == segments.unsqueeze(-2)  # (b, s, s)
+    return (same_doc & sliding_window_mask(s, window, segments.device)).unsqueeze(1)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: fused qkv projection, RoPE on q and k, SDPA, output
     projection. A sliding window narrower than the input uses a boolean mask; otherwise
-    `is_causal=True` keeps SDPA's flash path."""
+    `is_causal=True` keeps SDPA's flash path. A document mask (`document_mask`), when given,
+    replaces both."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -68,7 +78,7 @@ class CausalSelfAttention(nn.Module):
         mask = sliding_window_mask(cfg.seq_len, self.window) if self.window < cfg.seq_len else None
         self.register_buffer("mask", mask, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape  # (b, s, d)
         # -1 heads: the local head count, which tensor parallelism divides.
         qkv = self.qkv(x).view(b, s, 3, -1, self.head_dim)  # (b, s, 3, nh, hd)
@@ -76,7 +86,9 @@ class CausalSelfAttention(nn.Module):
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout if self.training else 0.0
-        if s <= self.window:
+        if doc_mask is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, dropout_p=dropout_p)
+        elif s <= self.window:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
             # The window mask depends only on (i, j), so a shorter input uses its top-left corner.
