@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -44,16 +43,3 @@ def random_dataset(tmp_path: Path) -> TokenDataset:
     """A ~6k-token dataset of 20 random-length documents in shards of 1000 tokens."""
     return TokenDataset.open(make_random_dataset(tmp_path))
 
-
-@pytest.fixture
-def dali() -> None:
-    """DALI's CPU pipelines run here: `make test` installs nvidia-dali-cuda130. Skipped with the
-    reason where it is missing, and a failure instead under CI=true, where it must run."""
-    from mshpc.data.dali_source import dali_missing
-
-    reason = dali_missing()
-    if reason is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true but the DALI loader cannot be tested: {reason}")
-    pytest.skip(reason)
