@@ -45,8 +45,9 @@ def build_pipeline(windows: WindowReader, dp_rank: int, start_step: int, device:
             raise
 
     on_gpu = device.type == "cuda"
-    pipe = Pipeline(batch_size=windows.local_batch, num_threads=threads,
-                    device_id=device.index if on_gpu else None, prefetch_queue_depth=DALI_PREFETCH)
+    device_id = (torch.cuda.current_device() if device.index is None else device.index) if on_gpu else None
+    pipe = Pipeline(batch_size=windows.local_batch, num_threads=threads, device_id=device_id,
+                    prefetch_queue_depth=DALI_PREFETCH)
     dtype = types.UINT16 if windows.dataset.dtype.itemsize == 2 else types.UINT32
     with pipe:
         rows = fn.external_source(source=read, batch=True, batch_info=True, dtype=dtype, ndim=1)

@@ -1,6 +1,7 @@
 """One reader per node, on 4 real local ranks (gloo): each rank gets exactly the ordinary loader's
-batches, the clients never read the shards, a slower step never waits, and every exit path,
-kill -9 of a client or of the reader included, leaves no rank waiting and no shared memory."""
+batches, the clients never read the shards, a slower step never waits, a start-up failure
+raises everywhere, and every exit path, kill -9 of a client or of the reader included, leaves
+no rank waiting and no shared memory."""
 
 from __future__ import annotations
 
@@ -75,20 +76,36 @@ def slow_steps(path: str, rank: int) -> int:
         return loader.stalls
 
 
-def each_grouping_then_slow_steps(rank: int, world: int, path: str) -> dict:
+def mismatched(path: str, rank: int) -> str:
+    """What each rank says when rank 3 runs another config."""
+    seq_len = SEQ * 2 if rank == 3 else SEQ
+    try:
+        node_loader(path, rank, tp=1, nodes=1, per_tp_group=False, seq_len=seq_len)
+    except MshpcError as exc:
+        return f"{exc} | holds ring: {holds_shared_ring()}"
+    return "started"
+
+
+def every_case(rank: int, world: int, path: str) -> dict:
     # One set of processes for every case: starting 4 ranks costs more than the cases do.
     groupings = [same_batches(rank, world, path, *grouping) for grouping, _ in GROUPINGS]
-    return {"groupings": groupings, "stalls": slow_steps(path, rank)}
+    return {"groupings": groupings, "stalls": slow_steps(path, rank), "mismatch": mismatched(path, rank)}
 
 
-def test_every_rank_gets_the_ordinary_loaders_batches_and_never_waits(dataset_dir: str) -> None:
-    results = run_ranks(each_grouping_then_slow_steps, WORLD, dataset_dir, timeout_s=300)
+def test_batches_waits_and_start_up_failures_on_4_local_ranks(dataset_dir: str) -> None:
+    results = run_ranks(every_case, WORLD, dataset_dir, timeout_s=300)
+    # Every rank got exactly the ordinary loader's batches, from the readers each grouping implies.
     for i, (grouping, readers) in enumerate(GROUPINGS):
         per_rank = [res["groupings"][i] for res in results]
         assert {r: res["served"] for r, res in enumerate(per_rank) if res["reader"]} == readers, grouping
         assert all(res["held"] and res["released"] for res in per_rank), grouping
     # Counted, not timed: no next() on any rank found its batch missing behind a slower step.
     assert [res["stalls"] for res in results] == [0] * WORLD
+    # A start-up failure on one rank raises on all, and none keeps the ring.
+    said = [res["mismatch"] for res in results]
+    assert "differ from this rank's" in said[3]
+    assert all("starting the per-node reader failed on 1 other rank" in m for m in said[:3]), said
+    assert all(m.endswith("holds ring: False") for m in said), said
 
 
 def killed_mid_run(rank: int, world: int, path: str, victim: int) -> None:
@@ -121,19 +138,3 @@ def test_a_killed_rank_stops_the_others_and_leaves_no_shared_memory(dataset_dir:
     assert report.startswith(f"1 of {WORLD} ranks failed"), report
     assert f"rank {victim}: exited" in report and "without a result" in report
     assert {n for n in os.listdir("/dev/shm") if "mshpc" in n} == before
-
-
-def mismatched(rank: int, world: int, path: str) -> str:
-    seq_len = SEQ * 2 if rank == 3 else SEQ  # rank 3 runs another config
-    try:
-        node_loader(path, rank, tp=1, nodes=1, per_tp_group=False, seq_len=seq_len)
-    except MshpcError as exc:
-        return f"{str(exc)} | holds ring: {holds_shared_ring()}"
-    return "started"
-
-
-def test_a_start_up_failure_on_one_rank_raises_on_all(dataset_dir: str) -> None:
-    results = run_ranks(mismatched, WORLD, dataset_dir, timeout_s=240)
-    assert "differ from this rank's" in results[3]
-    assert all("starting the per-node reader failed on 1 other rank" in r for r in results[:3])
-    assert all(r.endswith("holds ring: False") for r in results)
