@@ -82,6 +82,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from mshpc.data.batch import Batch
     from mshpc.parallel import comm
 
     torch.set_num_threads(1)  # two ranks on this machine's cores
@@ -89,8 +90,8 @@ def worker(args: argparse.Namespace) -> None:
                             world_size=2, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
     pipes = build(args)
     cfg = next(iter(pipes.values()))[0]
-    batch = torch.randint(0, cfg.model.vocab_size, (args.micro_batch * args.micro_batches, cfg.model.seq_len + 1),
-                          generator=torch.Generator().manual_seed(0))
+    batch = Batch(torch.randint(0, cfg.model.vocab_size, (args.micro_batch * args.micro_batches, cfg.model.seq_len + 1),
+                                generator=torch.Generator().manual_seed(0)))
     mine = time_schedules(pipes, batch, args.rounds, args.steps)
     stages = comm.all_gather_json(mine)  # each stage's own waits
     if args.worker == 0:

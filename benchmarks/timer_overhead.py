@@ -28,10 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 
 
-def step_time(step: int, timed: bool, diag, loader, engine, cfg, rt) -> float:
+def step_time(step: int, timed: bool, diag, loader, step_fn, cfg) -> float:
     """One step as the train loop runs it, with or without the diagnosis."""
     from mshpc.diagnose.timers import TIMERS, phase
-    from mshpc.train import train_step
 
     TIMERS.enabled = timed
     start = time.perf_counter()
@@ -39,7 +38,7 @@ def step_time(step: int, timed: bool, diag, loader, engine, cfg, rt) -> float:
         diag.begin_step(step)
     with phase("data"):
         batch = next(loader)
-    loss, _ = train_step(engine, batch, cfg, rt)
+    loss, _ = step_fn(batch)
     loss.item()
     if timed:
         diag.end_step(step, cfg.global_batch * cfg.model.seq_len / (time.perf_counter() - start))
@@ -65,9 +64,8 @@ def worker(rank: int, store: str, run_dir: str, args: argparse.Namespace, conn) 
     from mshpc.diagnose.collector import build_collector
     from mshpc.diagnose.timings import rank_file
     from mshpc.launch.rendezvous import DistInfo
-    from mshpc.model.gpt import GPT
-    from mshpc.parallel.zero import build_zero_engine
-    from mshpc.train import Runtime, build_data
+    from mshpc.parallel.mesh import MeshShape, build_mesh
+    from mshpc.train import Runtime, build_data, build_model_step
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # on a busy machine the watches see stragglers: not this claim's
@@ -78,21 +76,22 @@ def worker(rank: int, store: str, run_dir: str, args: argparse.Namespace, conn) 
     cfg = dataclasses.replace(cfg, diagnose=diagnose)
     info = DistInfo(rank, WORLD, rank, WORLD, "localhost", "gloo", "env")
     rt = Runtime(device=torch.device("cpu"), autocast_dtype=None, peak_tflops=None)
-    torch.manual_seed(cfg.train.seed)
-    engine = build_zero_engine(GPT(cfg.model), cfg.optim, cfg.parallel)
-    loader = build_data(cfg, info, 0)
+    p = cfg.parallel
+    mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))
+    _, step_fn = build_model_step(cfg, mesh, rt)  # the train loop's own step
+    loader = build_data(cfg, info, mesh, rt, 0)
     diag = build_collector(cfg, Path(run_dir) / "bench", rank, "localhost", rt.device, 0, None)
     times = {True: [], False: []}
     step = 0
     for _ in range(2):  # warm-up, both ways
         for timed in (True, False):
             step += 1
-            step_time(step, timed, diag, loader, engine, cfg, rt)
+            step_time(step, timed, diag, loader, step_fn, cfg)
     for round_ in range(args.rounds):
         for timed in ((True, False) if round_ % 2 else (False, True)):
             for _ in range(args.steps):
                 step += 1
-                times[timed].append(step_time(step, timed, diag, loader, engine, cfg, rt))
+                times[timed].append(step_time(step, timed, diag, loader, step_fn, cfg))
     diag.close()
     loader.close()
     last = json.loads(rank_file(Path(run_dir) / "bench", rank).read_text().splitlines()[-1])

@@ -85,6 +85,11 @@ class DataConfig:
     cache_dir: str = ".cache/mshpc"  # where the embedded corpus is prepared on first use
     seed: int = 1234
     prefetch_batches: int = _min(1, 4)
+    loader: Literal["auto", "torch", "dali"] = "auto"  # auto: DALI where it is installed, else torch
+    # one rank per node reads and prepares every local rank's batches into shared memory
+    per_node_reader: bool = False
+    doc_mask: bool = False  # attention stays inside each document of a packed sequence
+    dali_threads: int = _min(1, 2)  # DALI's CPU worker threads per rank
 
 
 @dataclass(frozen=True)
@@ -405,6 +410,9 @@ def validate(cfg: Config) -> Config:
     _check_minimums(cfg, "")
     _check_model(cfg.model)
     _check_parallel(cfg)
+    if cfg.data.per_node_reader and cfg.data.loader == "dali":
+        raise ConfigError("data.per_node_reader=true reads with the torch reader into shared memory; "
+                          "it does not combine with data.loader='dali' (choose 'auto' or 'torch')")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} must be <= optim.lr={cfg.optim.lr}")
     _check_diagnose(cfg.diagnose)

@@ -13,7 +13,10 @@ import torch
 
 from mshpc.checkpoint.train_checkpoint import TrainCheckpointer, checkpoint_root
 from mshpc.config import Config, TrainConfig, resolve_world
-from mshpc.data.loader import BatchLoader, build_loader
+from mshpc.data.batch import Batch
+from mshpc.data.loader import BatchLoader
+from mshpc.data.node_reader import ReaderScope
+from mshpc.data.pipeline import build_loader
 from mshpc.data.prepare import dataset_path
 from mshpc.data.shards import TokenDataset
 from mshpc.diagnose.collector import build_collector
@@ -85,7 +88,7 @@ def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
 
 
 def train_step(
-    engine: ZeroEngine, loss_fn: LossFn, batch: torch.Tensor, cfg: Config, rt: Runtime
+    engine: ZeroEngine, loss_fn: LossFn, batch: Batch, cfg: Config, rt: Runtime
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over the dp rank's batch (grad_accum micro-batches; the tp ranks of one
     dp rank see the same batch); collective over the mesh. Returns the loss averaged over the
@@ -98,7 +101,7 @@ def train_step(
         # accumulates and reduces gradients in fp32
         with phase("forward"), torch.autocast(rt.device.type, dtype=rt.autocast_dtype,
                                               enabled=rt.autocast_dtype is not None):
-            loss = loss_fn(engine.model(micro[:, :-1]), micro[:, 1:]) / cfg.train.grad_accum
+            loss = loss_fn(engine.model(micro.inputs, micro.segments), micro.targets) / cfg.train.grad_accum
         with phase("backward"):
             engine.backward(loss, sync=i == len(micros) - 1)  # communicate on the last micro-batch only
         loss_sum += loss.detach()
@@ -112,13 +115,15 @@ def train_step(
     return loss_sum / cfg.parallel.dp, grad_norm
 
 
-def build_data(cfg: Config, info: DistInfo, mesh: Mesh, start_step: int) -> BatchLoader:
+def build_data(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, start_step: int) -> BatchLoader:
+    """This rank's loader: every tp rank and pipeline stage of a dp replica reads its batch.
+    Collective over the world (the per-node reader's start-up)."""
     dataset = open_dataset(cfg, info)
-    return build_loader(  # every tp rank and pipeline stage of a dp replica reads its batch
-        dataset, seq_len=cfg.model.seq_len, global_batch=cfg.global_batch, dp_rank=mesh.coords.dp,
-        dp_size=cfg.parallel.dp, seed=cfg.data.seed, start_step=start_step,
-        prefetch_batches=cfg.data.prefetch_batches,
-    )
+    loader = build_loader(cfg.data, dataset, cfg.model.seq_len, cfg.global_batch, mesh.coords.dp,
+                          cfg.parallel.dp, start_step, rt.device, ReaderScope(node=info.node))
+    if info.rank == 0:
+        log.info("data loader: %s", loader.description)
+    return loader
 
 
 def build_model_step(cfg: Config, mesh: Mesh, rt: Runtime) -> tuple[ZeroEngine, StepFn]:
@@ -148,7 +153,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                              before_commit=lambda step: inject(faults, info.rank, step, "save"))
     start_step = ckpt.resume()
     install_slowdown(engine.model, faults, info.rank, start_step, cfg.train.grad_accum)
-    loader = build_data(cfg, info, mesh, start_step)
+    loader = build_data(cfg, info, mesh, rt, start_step)
     diag = build_collector(cfg, run_path(cfg), info.rank, info.node, rt.device, start_step, rt.peak_tflops)
     is_logger = info.rank == 0
     run_dir, metrics = create_run_dir(cfg, start_step) if is_logger else (None, None)

@@ -1,4 +1,9 @@
-"""The asynchronous batch loader: a background thread reads each step's batch ahead of the step."""
+"""The asynchronous batch loader: a background thread prepares each step's batch ahead of the step.
+
+What the thread runs is a `BatchSource`: the torch reader (`RankSource`), the DALI pipeline
+(`data/dali_source.py`) or the per-node reader and its clients (`data/node_reader.py`). All of
+them yield, for a given (seed, step, dp rank, dp size), the same `Batch`.
+"""
 
 from __future__ import annotations
 
@@ -6,57 +11,81 @@ import queue
 import threading
 import time
 from types import TracebackType
+from typing import Protocol
 
-import numpy as np
-import torch
-
-from mshpc.data.sampler import SequenceSampler
-from mshpc.data.shards import TokenDataset
+from mshpc.data.batch import Batch, WindowReader
 
 _POLL_S = 0.05  # how often a blocked thread looks at the stop flag: bounds close() latency
 
 
-class BatchLoader:
-    """Yields int64 batches of shape (local_batch, seq_len + 1) for steps start_step, start_step + 1, ...
+class Stopped(Exception):
+    """Raised by a source that was waiting when the loader was closed; ends the thread quietly."""
 
-    Inputs are batch[:, :-1] and targets batch[:, 1:]. A daemon thread keeps up to
-    `prefetch_batches` ready; its exception is raised by the next `next()`. `wait_s` sums the
-    seconds the consumer spent blocked in `next()`; `step` is the step of the batch `next()` returns.
+
+class BatchSource(Protocol):
+    def batch(self, step: int) -> Batch:
+        """The batch of `step`; steps are asked for in order, one thread at a time."""
+        ...
+
+    def close(self) -> None:
+        """Release what the source holds; called once its thread has stopped."""
+        ...
+
+
+class RankSource:
+    """The torch loader: this rank's batch, read from the memory-mapped shards on the thread."""
+
+    def __init__(self, windows: WindowReader, dp_rank: int) -> None:
+        self.windows = windows
+        self.dp_rank = dp_rank
+
+    def batch(self, step: int) -> Batch:
+        return self.windows.batch(step, self.dp_rank)
+
+    def close(self) -> None:
+        pass
+
+
+class BatchLoader:
+    """Yields the `Batch` of steps start_step, start_step + 1, ... from `source`, prepared ahead.
+
+    A daemon thread keeps up to `prefetch_batches` ready; its exception is raised by the next
+    `next()`. `wait_s` sums the seconds the consumer spent blocked in `next()`, and `stalls`
+    counts the `next()` calls that found no batch ready; `step` is the step `next()` returns.
+    With `pin_memory` (for a GPU) host batches are pinned on the thread too, so that the step's
+    copy to the device is asynchronous.
     """
 
-    def __init__(self, dataset: TokenDataset, sampler: SequenceSampler, dp_rank: int, dp_size: int,
-                 start_step: int, prefetch_batches: int) -> None:
-        assert prefetch_batches >= 1 and 0 <= dp_rank < dp_size, (prefetch_batches, dp_rank, dp_size)
-        assert sampler.global_batch % dp_size == 0, (sampler.global_batch, dp_size)
-        self.dataset = dataset
-        self.sampler = sampler
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
+    def __init__(self, source: BatchSource, start_step: int, prefetch_batches: int,
+                 stop: threading.Event | None = None, description: str = "torch",
+                 pin_memory: bool = False) -> None:
+        assert prefetch_batches >= 1, prefetch_batches
+        self.source = source
+        self.pin_memory = pin_memory
         self.step = start_step
+        self.description = description  # which loader, and why: logged once by the caller
         self.wait_s = 0.0
-        self._queue: queue.Queue[torch.Tensor | BaseException] = queue.Queue(prefetch_batches)
-        self._stop = threading.Event()
+        self.stalls = 0
+        self._queue: queue.Queue[Batch | BaseException] = queue.Queue(prefetch_batches)
+        self._stop = stop or threading.Event()
         self._error: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._produce, args=(start_step,),
-                                        name=f"mshpc-loader-dp{dp_rank}", daemon=True)
+                                        name="mshpc-loader", daemon=True)
         self._thread.start()
-
-    def batch(self, step: int) -> torch.Tensor:
-        """The batch of `step`, read now on the calling thread."""
-        width = self.sampler.seq_len + 1
-        starts = self.sampler.starts(step, self.dp_rank, self.dp_size)
-        rows = np.stack([self.dataset.tokens(int(s), width) for s in starts])  # (b, s + 1)
-        return torch.from_numpy(rows.astype(np.int64))
 
     def _produce(self, step: int) -> None:
         try:
             while not self._stop.is_set():
-                self._put(self.batch(step))
+                batch = self.source.batch(step)
+                self._put(batch.pin() if self.pin_memory else batch)
                 step += 1
+        except Stopped:
+            return
         except BaseException as exc:  # handed to the consumer, which raises it on next()
             self._put(exc)
 
-    def _put(self, item: torch.Tensor | BaseException) -> None:
+    def _put(self, item: Batch | BaseException) -> None:
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=_POLL_S)
@@ -64,7 +93,7 @@ class BatchLoader:
             except queue.Full:
                 continue
 
-    def _get(self) -> torch.Tensor | BaseException:
+    def _get(self) -> Batch | BaseException:
         while True:
             try:
                 return self._queue.get(timeout=_POLL_S)
@@ -73,12 +102,17 @@ class BatchLoader:
                     raise StopIteration from None
                 assert self._thread.is_alive(), "loader thread ended without reporting why"
 
-    def __next__(self) -> torch.Tensor:
+    def ready(self) -> int:
+        """Batches prepared and waiting."""
+        return self._queue.qsize()
+
+    def __next__(self) -> Batch:
         if self._error is not None:
             raise self._error
         if self._stop.is_set():
             raise StopIteration
         t0 = time.perf_counter()
+        self.stalls += self._queue.empty()
         try:
             item = self._get()
         finally:
@@ -93,9 +127,13 @@ class BatchLoader:
         return self
 
     def close(self) -> None:
-        """Stop the thread and wait (briefly) for it to end; later `next()` calls stop iteration."""
+        """Stop the thread, wait (briefly) for it to end, release the source; later `next()`
+        calls stop iteration. Safe to call more than once."""
         self._stop.set()
         self._thread.join(timeout=5.0)
+        if not self._closed:
+            self._closed = True
+            self.source.close()
 
     def __enter__(self) -> BatchLoader:
         return self
@@ -103,10 +141,3 @@ class BatchLoader:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-
-def build_loader(dataset: TokenDataset, seq_len: int, global_batch: int, dp_rank: int, dp_size: int,
-                 seed: int, start_step: int, prefetch_batches: int) -> BatchLoader:
-    """A started loader of rank `dp_rank`'s batches from `start_step` on (each rank builds its own)."""
-    sampler = SequenceSampler(dataset.n_tokens, seq_len, global_batch, seed)
-    return BatchLoader(dataset, sampler, dp_rank, dp_size, start_step, prefetch_batches)

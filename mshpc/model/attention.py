@@ -45,10 +45,20 @@ def sliding_window_mask(
     return causal if window is None else causal & (j > i - window)
 
 
+def document_mask(segments: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean (b, 1, s, s) mask for packed sequences: the rule of `sliding_window_mask`, and
+    query i and key j in the same document (segments (b, s) holds each position's document
+    number). Positions need no reset at a document's start: RoPE scores depend only on i - j."""
+    s = segments.shape[-1]
+    same_doc = segments.unsqueeze(-1) == segments.unsqueeze(-2)  # (b, s, s)
+    return (same_doc & sliding_window_mask(s, window, segments.device)).unsqueeze(1)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: fused qkv projection, RoPE on q and k, SDPA, output
     projection. A sliding window narrower than the input uses a boolean mask; otherwise
-    `is_causal=True` keeps SDPA's flash path."""
+    `is_causal=True` keeps SDPA's flash path. A document mask (`document_mask`), when given,
+    replaces both."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -68,21 +78,25 @@ class CausalSelfAttention(nn.Module):
         mask = sliding_window_mask(cfg.seq_len, self.window) if self.window < cfg.seq_len else None
         self.register_buffer("mask", mask, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)  # (b, s, 3 * d): s and the width from qkv, which may gather or split them
         b, s = qkv.shape[:2]
         # -1 heads: the local head count, which tensor parallelism divides.
         q, k, v = qkv.view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # each (b, nh, s, hd)
-        y = self.attend(q, k, v).transpose(1, 2).reshape(b, s, -1)  # (b, s, d)
+        y = self.attend(q, k, v, doc_mask).transpose(1, 2).reshape(b, s, -1)  # (b, s, d)
         return self.resid_dropout(self.proj(y))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention core, RoPE and softmax(q k^T) v on (b, nh, s, hd): its own method so that
-        selective activation checkpointing can recompute just this part."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               doc_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention core, RoPE and softmax(q k^T) v on (b, nh, s, hd), within each document
+        when `doc_mask` (b, 1, s, s) is given: its own method so that selective activation
+        checkpointing can recompute just this part."""
         s = q.shape[2]
         cos, sin = self.rope_cos[:s], self.rope_sin[:s]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout_p = self.dropout if self.training else 0.0
+        if doc_mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, dropout_p=dropout_p)
         if s <= self.window:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         # The window mask depends only on (i, j), so a shorter input uses its top-left corner.

@@ -13,7 +13,7 @@ from torch import nn
 
 from mshpc.config import ModelConfig
 from mshpc.errors import ConfigError
-from mshpc.model.attention import CausalSelfAttention
+from mshpc.model.attention import CausalSelfAttention, document_mask
 
 
 class RMSNorm(nn.Module):
@@ -65,17 +65,18 @@ class Block(nn.Module):
         self.ln_2 = None if cfg.parallel_block else build_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.ln_2 is None:
             h = self.ln_1(x)  # (b, s, d), shared by both branches
-            return x + self.attn(h) + self.mlp(h)
-        x = x + self.attn(self.ln_1(x))
+            return x + self.attn(h, doc_mask) + self.mlp(h)
+        x = x + self.attn(self.ln_1(x), doc_mask)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
     """Decoder-only language model; positions come from RoPE inside attention, so there is no
-    learned position table. forward maps token ids (b, s) to fp32 logits (b, s, vocab).
+    learned position table. forward maps token ids (b, s) to fp32 logits (b, s, vocab); with
+    `segments` (b, s), the document number of each position, attention stays in each document.
 
     A pipeline stage is a GPT with the parts it does not own set to None and layers deleted
     (torchtitan's split): `layers` is keyed by the layer's index, so every parameter keeps its
@@ -110,14 +111,16 @@ class GPT(nn.Module):
             for proj in (layer.attn.proj, layer.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
         if idx.shape[1] > self.cfg.seq_len:
             raise ConfigError(
                 f"input of {idx.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}"
             )
+        # One mask for every layer: built once per micro-batch, not once per layer.
+        mask = None if segments is None else document_mask(segments, self.cfg.sliding_window)
         x = self.dropout(self.tok_embeddings(idx)) if self.tok_embeddings is not None else idx  # (b, s, d)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, mask)
         if self.lm_head is None:
             return x
         return self.lm_head(self.norm(x)).float()  # (b, s, vocab)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mshpc.config import Config, ModelConfig
+from mshpc.data.batch import Batch
 from mshpc.diagnose.timers import BACKWARD, FORWARD, OPTIMIZER, phase
 from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
@@ -104,7 +105,7 @@ class PipeLinks:
 class _StepState:
     """What one step holds between actions, by (micro-batch, stage) or by action."""
 
-    micros: list[torch.Tensor]  # (b, s + 1) token ids each
+    micros: list[Batch]  # each: tokens (b, s + 1), segments (b, s) or None
     loss_sum: torch.Tensor
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
@@ -129,11 +130,11 @@ class PipelineRunner:
         self.run_s = 0.0  # time in run(), summed over steps
         self.peak_live = 0  # the most micro-batch activations (stage inputs and graphs) held at once
 
-    def run(self, micros: list[torch.Tensor]) -> torch.Tensor:
+    def run(self, micros: list[Batch]) -> torch.Tensor:
         """Forward and backward of every micro-batch on this rank's stages; returns the sum of
         the micro-batch losses / m on the last stage, 0 elsewhere."""
         start = time.perf_counter()
-        state = _StepState(micros, torch.zeros((), device=micros[0].device))
+        state = _StepState(micros, torch.zeros((), device=micros[0].tokens.device))
         for a in self.plan:
             kind = a.op.split("_")[0]  # recv, send, wait, forward, backward
             getattr(self, f"_{kind}")(a, state)
@@ -167,13 +168,13 @@ class PipelineRunner:
     def _forward(self, a: Action, state: _StepState) -> None:
         micro = state.micros[a.micro]
         if a.stage == 0:
-            x = micro[:, :-1]
+            x = micro.inputs
         else:
             x = self._landed(Action("recv_act", a.micro, a.stage), state).requires_grad_()
         with phase(FORWARD), torch.autocast(x.device.type, dtype=self.autocast, enabled=self.autocast is not None):
-            out = self.chunks[a.stage // self.shape.pp](x)
+            out = self.chunks[a.stage // self.shape.pp](x, micro.segments)
             if a.stage == self.shape.stages - 1:
-                out = self.loss_fn(out, micro[:, 1:]) / self.shape.micro_batches
+                out = self.loss_fn(out, micro.targets) / self.shape.micro_batches
                 state.loss_sum += out.detach()
         state.inputs[a.micro, a.stage], state.outputs[a.micro, a.stage] = x, out
         self.peak_live = max(self.peak_live, len(state.inputs))
@@ -228,11 +229,11 @@ def build_pipeline(cfg: Config, mesh: Mesh, device: torch.device, autocast: torc
     return Pipeline(model, split.engine, runner)
 
 
-def pipeline_train_step(pipe: Pipeline, batch: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+def pipeline_train_step(pipe: Pipeline, batch: Batch, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
     """train.train_step for a pipeline rank: one optimizer step over the rank's batch (grad_accum
     micro-batches). Collective over the world. Returns the loss averaged over the global batch
     (on every rank) and the global grad norm before clipping."""
-    micros = list(batch.split(cfg.train.micro_batch))  # (micro_batch, seq_len + 1) each
+    micros = batch.split(cfg.train.micro_batch)  # tokens (micro_batch, seq_len + 1) each
     loss_sum = pipe.runner.run(micros)
     # Only the last stage has a loss; a world all-reduce of a scalar reports it everywhere, and
     # started before step() it overlaps the step's collectives.

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.data.batch import Batch
 from mshpc.parallel import comm
 from mshpc.parallel.apply import apply_tp
 from mshpc.parallel.mesh import Mesh, MeshShape, build_mesh
@@ -72,7 +73,7 @@ def train_case(rank: int, cfg: Config) -> dict:
     for step in range(STEPS):
         local = batch(step)[coords.dp * per_rank:(coords.dp + 1) * per_rank]
         before = comm.RECORDER.snapshot()[-1].seq
-        loss, norm = pipeline_train_step(pipe, local, cfg)
+        loss, norm = pipeline_train_step(pipe, Batch(local), cfg)
         losses.append(loss.item())
         norms.append(norm.item())
     p2p = [r.op[:4] for r in comm.RECORDER.snapshot() if r.seq > before and r.op[:4] in ("send", "recv")]

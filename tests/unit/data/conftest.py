@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from mshpc.data.prepare import prepare_corpus
 from mshpc.data.shards import TokenDataset
+from token_data import make_random_dataset
 
 # In the order prepare walks them: a folder's files (sorted) before its subfolders.
 _DOCS = {
@@ -42,10 +41,5 @@ def corpus(tmp_path: Path) -> Path:
 @pytest.fixture
 def random_dataset(tmp_path: Path) -> TokenDataset:
     """A ~6k-token dataset of 20 random-length documents in shards of 1000 tokens."""
-    rng = np.random.default_rng(0)
-    root = tmp_path / "random"
-    root.mkdir()
-    for i in range(20):
-        text = rng.integers(ord("a"), ord("z") + 1, size=int(rng.integers(50, 550)), dtype=np.uint8)
-        (root / f"doc{i:02d}.txt").write_bytes(text.tobytes())
-    return TokenDataset.open(prepare_corpus([root], tmp_path / "ds", shard_tokens=1000))
+    return TokenDataset.open(make_random_dataset(tmp_path))
+

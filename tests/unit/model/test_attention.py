@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from mshpc.config import ModelConfig
-from mshpc.model.attention import CausalSelfAttention, apply_rope, rope_cache, sliding_window_mask
+from mshpc.model.attention import (
+    CausalSelfAttention, apply_rope, document_mask, rope_cache, sliding_window_mask,
+)
 
 
 def naive_allowed(i: int, j: int, window: int | None) -> bool:
@@ -103,3 +105,13 @@ def test_rope_score_depends_only_on_relative_position():
         diag = torch.diagonal(scores, offset=offset)
         torch.testing.assert_close(diag, diag[:1].expand_as(diag), rtol=1e-10, atol=1e-10)
     assert not torch.allclose(scores[0, 0], scores[1, 0])  # and it does depend on i - j
+
+
+def test_document_mask_is_the_window_rule_within_each_document():
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    for window in (None, 2):
+        got = document_mask(segments, window)
+        assert got.shape == (1, 1, 8, 8) and got.dtype == torch.bool
+        expected = torch.tensor([[naive_allowed(i, j, window) and segments[0, i] == segments[0, j]
+                                  for j in range(8)] for i in range(8)])
+        assert torch.equal(got[0, 0], expected)

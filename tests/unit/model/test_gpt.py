@@ -128,3 +128,23 @@ def test_memorizes_a_batch():
         opt.step()
     assert abs(first - torch.log(torch.tensor(32.0)).item()) < 0.1  # small init: near uniform
     assert loss.item() < 0.5 * first
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_doc_mask_makes_each_packed_document_see_only_itself(window):
+    """A row packing documents A (6 tokens) and B (10) gives B's positions the logits of B run
+    alone: no attention crosses the boundary, and RoPE needs no position reset."""
+    model = tiny(sliding_window=window).double()
+    row = tokens(1, 16)
+    segments = torch.tensor([[0] * 6 + [1] * 10], dtype=torch.int32)
+    packed = model(row, segments)
+    torch.testing.assert_close(packed[:, 6:], model(row[:, 6:]), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(packed[:, :6], model(row[:, :6]), rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(model(row)[:, 6:], packed[:, 6:])  # without the mask B sees A
+
+
+def test_doc_mask_of_one_document_is_the_plain_causal_model():
+    model = tiny().double()
+    row = tokens(2, 16)
+    one_doc = torch.zeros(2, 16, dtype=torch.int32)
+    torch.testing.assert_close(model(row, one_doc), model(row), rtol=1e-10, atol=1e-10)

@@ -1,0 +1,102 @@
+"""What a loader yields for one step, and the one function that builds it from the shards.
+
+Every loader (the torch thread, DALI, the per-node reader and its clients) yields exactly the
+`Batch` that `WindowReader.batch` builds for the same (seed, step, dp rank, dp size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mshpc.data.sampler import SequenceSampler
+from mshpc.data.shards import TokenDataset
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One rank's batch of a step: packed token windows and, with document masks, segment ids.
+
+    tokens (b, s + 1) int64: inputs are tokens[:, :-1], targets tokens[:, 1:]. segments (b, s)
+    int32 or None: the document number of each input position, counted from 0 in each row.
+    """
+
+    tokens: torch.Tensor
+    segments: torch.Tensor | None = None
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        return self.tokens[:, :-1]  # (b, s)
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self.tokens[:, 1:]  # (b, s)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        segments = None if self.segments is None else self.segments.to(device, non_blocking=non_blocking)
+        return Batch(self.tokens.to(device, non_blocking=non_blocking), segments)
+
+    def pin(self) -> Batch:
+        """A copy in page-locked memory, when on the host (a device batch is returned as is)."""
+        if self.tokens.is_cuda:
+            return self
+        segments = None if self.segments is None else self.segments.pin_memory()
+        return Batch(self.tokens.pin_memory(), segments)
+
+    def split(self, rows: int) -> list[Batch]:
+        """Micro-batches of `rows` sequences each (views, no copy)."""
+        tokens = self.tokens.split(rows)
+        if self.segments is None:
+            return [Batch(t) for t in tokens]
+        return [Batch(t, s) for t, s in zip(tokens, self.segments.split(rows))]
+
+    def equal(self, other: Batch) -> bool:
+        """Same tokens and same segments (both None counts as the same)."""
+        if (self.segments is None) != (other.segments is None):
+            return False
+        same_segments = self.segments is None or torch.equal(self.segments.cpu(), other.segments.cpu())
+        return same_segments and torch.equal(self.tokens.cpu(), other.tokens.cpu())
+
+
+def segment_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Document number (int32) of each position of `inputs` (b, s): the count of eos tokens
+    strictly before it in its row. An eos closes its own document (Megatron-LM's
+    reset_attention_mask convention), so the next document starts after it."""
+    is_eos = (inputs == eos_id).to(torch.int32)
+    return is_eos.cumsum(dim=-1, dtype=torch.int32) - is_eos
+
+
+def with_segments(tokens: torch.Tensor, eos_id: int | None) -> Batch:
+    """The Batch of int64 `tokens` (b, s + 1); segments are computed when `eos_id` is given."""
+    return Batch(tokens, None if eos_id is None else segment_ids(tokens[:, :-1], eos_id))
+
+
+class WindowReader:
+    """Reads the packed, shuffled token windows of any dp rank's batch straight from the shards.
+
+    Packing is the sampler's: each sequence is a window of the concatenated document stream;
+    shuffling is its per-epoch permutation. `eos_id` None leaves out the segment ids.
+    """
+
+    def __init__(self, dataset: TokenDataset, sampler: SequenceSampler, dp_size: int,
+                 eos_id: int | None) -> None:
+        assert sampler.global_batch % dp_size == 0, (sampler.global_batch, dp_size)
+        self.dataset = dataset
+        self.sampler = sampler
+        self.dp_size = dp_size
+        self.eos_id = eos_id
+
+    @property
+    def local_batch(self) -> int:
+        return self.sampler.global_batch // self.dp_size
+
+    def windows(self, step: int, dp_rank: int) -> np.ndarray:
+        """(b, s + 1) tokens in the dataset's own dtype (what DALI takes in)."""
+        width = self.sampler.seq_len + 1
+        starts = self.sampler.starts(step, dp_rank, self.dp_size)
+        return np.stack([self.dataset.tokens(int(s), width) for s in starts])
+
+    def batch(self, step: int, dp_rank: int) -> Batch:
+        return with_segments(torch.from_numpy(self.windows(step, dp_rank).astype(np.int64)), self.eos_id)
