@@ -42,6 +42,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     dropout: float = _min(0.0, 0.0)
     init_std: float = 0.02
+    # csrc/ kernels (fused add+norm, bias+GeLU, RoPE, multi-tensor optimizer step): auto uses them
+    # where they build and otherwise the pure-torch references; on fails if they cannot build
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
+    mlp_bias: bool = False  # biases in the MLP (GPT-2's); the first is added inside the fused GeLU
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from mshpc.data.shards import TokenDataset
 from mshpc.diagnose.mfu import mfu, peak_tflops
 from mshpc.errors import ConfigError, MshpcError
 from mshpc.faults import Fault, inject, parse_faults
+from mshpc.kernels.dispatch import select_kernels
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
@@ -119,7 +120,8 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     """The loop itself; returns the global mean loss of every step this process trained."""
     torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
     model = GPT(cfg.model).to(rt.device)
-    engine = build_zero_engine(model, cfg.optim, cfg.parallel)  # collective over dp: every size
+    fused = select_kernels(cfg.model.fused_kernels).fused  # chosen once, with the model's
+    engine = build_zero_engine(model, cfg.optim, cfg.parallel, fused=fused)  # collective over dp: every size
     optimizer = engine.optimizer  # over this rank's fp32 shard
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     torch.manual_seed(cfg.train.seed + info.rank)  # per-rank dropout masks, as DP needs

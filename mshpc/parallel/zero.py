@@ -319,10 +319,12 @@ def _register_hooks(engine: ZeroEngine) -> None:
 
 
 def build_zero_engine(
-    model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None
+    model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
+    fused: bool = False,
 ) -> ZeroEngine:
     """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
-    (None: the world), with the optimizer named by `optim`. Collective over the dp group."""
+    (None: the world), with the optimizer named by `optim` (its multi-tensor kernel version when
+    `fused`). Collective over the dp group."""
     named = _trainable(model)
     params = [p for _, p in named]
     rank, dp = dist.get_rank(group), dist.get_world_size(group)
@@ -336,7 +338,7 @@ def build_zero_engine(
     grad_views = build_grad_views(params, buckets)
     pieces = build_shard_pieces(named, buckets, rank)
     groups = build_piece_groups(model, named, pieces, optim.weight_decay)
-    optimizer = build_shard_optimizer(groups, len(params), optim, group)
+    optimizer = build_shard_optimizer(groups, len(params), optim, group, fused)
     engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group, parallel.dp_overlap)
     _register_hooks(engine)
     return engine
