@@ -18,11 +18,11 @@ def init_moments(state: dict[str, Any], p: torch.Tensor) -> None:
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def advance_steps(states: list[dict[str, Any]]) -> int:
-    """Add one to every tensor's step; all tensors step together, so return the common count."""
+def advance_steps(states: list[dict[str, Any]]) -> list[int]:
+    """Add one to every tensor's step and return the new counts."""
     steps = [s["step"] for s in states]
     torch._foreach_add_(steps, 1.0)
-    return int(steps[0].item())
+    return [int(t.item()) for t in steps]  # CPU scalars: no device sync
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -49,11 +49,17 @@ class FusedAdamW(torch.optim.Optimizer):
             return loss
         for p, _ in tensors:
             init_moments(self.state[p], p)
+        by_step: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
+        for (p, group), step in zip(tensors, advance_steps([self.state[p] for p, _ in tensors])):
+            by_step.setdefault(step, []).append((p, group))
+        for step, batch in by_step.items():  # one launch: tensors only differ in step when one sat out
+            self._launch(batch, step)
+        return loss
+
+    def _launch(self, tensors: list[tuple[torch.Tensor, dict[str, Any]]], step: int) -> None:
         states = [self.state[p] for p, _ in tensors]
-        step = advance_steps(states)
         beta1, beta2 = self.defaults["betas"]
         mshpc_ops.multi_tensor_adamw(
             [p for p, _ in tensors], [p.grad for p, _ in tensors], [s["exp_avg"] for s in states],
             [s["exp_avg_sq"] for s in states], [float(g["lr"]) for _, g in tensors],
             [float(g["weight_decay"]) for _, g in tensors], beta1, beta2, self.defaults["eps"], step)
-        return loss

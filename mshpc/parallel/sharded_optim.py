@@ -84,12 +84,13 @@ class FusedShardedLamb(ShardedLamb):
         for p in params:
             init_moments(self.state[p], p)
         states = [self.state[p] for p in params]
-        step = advance_steps(states)
+        steps = advance_steps(states)
+        assert len(set(steps)) == 1, "ZeRO pieces always have gradients, so they step together"
         beta1, beta2 = self.defaults["betas"]
         grads = [p.grad for p in params]
         norms_sq = mshpc_ops.multi_tensor_lamb_direction(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [float(group["weight_decay"]) for _, group, _ in pieces], beta1, beta2, self.defaults["eps"], step)
+            [float(group["weight_decay"]) for _, group, _ in pieces], beta1, beta2, self.defaults["eps"], steps[0])
         return grads, norms_sq.T  # the directions now live in the gradients
 
     def _apply(self, pieces: list[Piece], updates: list[torch.Tensor], trust: torch.Tensor) -> None:
