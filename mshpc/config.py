@@ -167,7 +167,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 continue
     elif origin is Literal:
-        if value in typing.get_args(tp):
+        choices = typing.get_args(tp)
+        if isinstance(value, bool) and "on" in choices and "off" in choices:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
+        if value in choices:
             return value
     elif tp is type(None):
         if value is None:
