@@ -101,3 +101,11 @@ def test_mismatched_tensors_fail_with_one_line():
     with pytest.raises(RuntimeError, match="must be contiguous float32 with 10 elements"):
         mshpc_ops.multi_tensor_adamw([p], [torch.zeros(9)], [torch.zeros(10)], [torch.zeros(10)],
                                      [LR], [0.0], *BETAS, EPS, 1)
+
+
+def test_opcheck():
+    # schemas (which tensors each op mutates) and fake implementations agree with the kernels
+    p, g, m, v = (torch.randn(70_000) for _ in range(4))
+    torch.library.opcheck(torch.ops.mshpc.multi_tensor_adamw, ([p], [g], [m], [v.abs()], [LR], [0.1], *BETAS, EPS, 1))
+    torch.library.opcheck(torch.ops.mshpc.multi_tensor_lamb_direction, ([p], [g], [m], [v.abs()], [0.1], *BETAS, EPS, 1))
+    torch.library.opcheck(torch.ops.mshpc.multi_tensor_lamb_apply, ([p], [g], torch.tensor([0.5])))

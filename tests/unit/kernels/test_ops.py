@@ -1,10 +1,7 @@
-"""Every fused operator against its pure-torch reference (mshpc.kernels.reference): forward,
-gradients (gradcheck in float64), strided inputs, mixed dtypes, and what torch.compile needs.
-
-Tolerances: float64 agrees to rounding (1e-12); float32 to a few ulps (1e-5), the kernels
-summing in another order than torch; bfloat16 and float16 to one ulp of the storage type (2^-7,
-2^-10 relative), since kernel and reference both compute in float32 and round once, and a
-different summation order can move a value across a rounding boundary.
+"""Every fused operator against its pure-torch reference (mshpc.kernels.reference) on CPU:
+forward, gradients (gradcheck in float64), strided inputs, mixed dtypes, and what torch.compile
+needs. The cases and tolerances (bf16: one ulp) are in tests/kernel_cases.py, shared with the
+CUDA tests in tests/gpu.
 """
 
 from __future__ import annotations
@@ -12,62 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mshpc.kernels import ops, reference
+from kernel_cases import (EPS, NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm, check_norm,
+                          check_rope, gelu_args, grads_of, norm_args, qkv_slice, rand, tables)
+from mshpc.kernels import ops
 
-TOL = {
-    torch.float64: dict(rtol=1e-12, atol=1e-12),
-    torch.float32: dict(rtol=1e-5, atol=1e-5),
-    torch.bfloat16: dict(rtol=2**-7, atol=2**-7),
-    torch.float16: dict(rtol=2**-10, atol=2**-10),
-}
 DTYPES = list(TOL)
-EPS = 1e-5
-
-
-def rand(*shape: int, dtype: torch.dtype = torch.float64, seed: int = 0, grad: bool = False) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
-
-
-def norm_args(kind: str, dtype: torch.dtype, residual: bool, grad: bool = False, d: int = 96,
-              rows: int = 7) -> tuple:
-    """x (2, rows, d) and its operands; the default width is not a multiple of a vector length."""
-    x = rand(2, rows, d, dtype=dtype, seed=1, grad=grad)
-    r = rand(2, rows, d, dtype=dtype, seed=2, grad=grad) if residual else None
-    w = (1 + 0.1 * rand(d, seed=3)).to(dtype).requires_grad_(grad)
-    if kind == "rms":
-        return x, r, w, EPS
-    return x, r, w, (0.1 * rand(d, seed=4)).to(dtype).requires_grad_(grad), EPS
-
-
-NORMS = {"rms": (ops.add_rms_norm, reference.add_rms_norm), "layer": (ops.add_layer_norm, reference.add_layer_norm)}
-
-
-def grads_of(fn, args: tuple, seed: int = 9) -> list[torch.Tensor | None]:
-    """Gradients of a fixed random projection of fn's outputs with respect to args."""
-    outs = fn(*args)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    loss = sum((o.double() * rand(*o.shape, seed=seed + i)).sum() for i, o in enumerate(outs))
-    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-    return list(torch.autograd.grad(loss, tensors))
-
-
-def assert_close(got, want, dtype) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got.double(), want.double(), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("kind", list(NORMS))
 def test_add_norm_matches_reference(kind, residual, dtype):
-    fused, ref = NORMS[kind]
-    args = norm_args(kind, dtype, residual, grad=True)
-    (y, s), (y_ref, s_ref) = fused(*args), ref(*args)
-    assert_close(y, y_ref, dtype)
-    assert torch.equal(s, s_ref)  # one rounding of the same sum
-    for got, want in zip(grads_of(fused, args), grads_of(ref, args)):
-        assert_close(got, want, dtype)
+    check_norm(kind, residual, dtype)
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -80,33 +33,13 @@ def test_add_norm_gradcheck(kind, residual):
 
 @pytest.mark.parametrize("kind", list(NORMS))
 def test_bf16_branch_into_fp32_stream(kind):
-    # under autocast a block's branch output is bf16 and the residual stream fp32: the sum and the
-    # norm are fp32, and x's gradient comes back in bf16
-    fused, ref = NORMS[kind]
-    args = list(norm_args(kind, torch.float32, True, grad=True))
-    args[0] = rand(2, 7, 96, dtype=torch.bfloat16, seed=5, grad=True)
-    (y, s), (y_ref, s_ref) = fused(*args), ref(*args)
-    assert y.dtype == s.dtype == torch.float32
-    assert_close(y, y_ref, torch.float32)
-    got, want = grads_of(fused, tuple(args)), grads_of(ref, tuple(args))
-    assert got[0].dtype == torch.bfloat16
-    for g, w in zip(got, want):
-        assert_close(g, w, torch.float32 if g.dtype == torch.float32 else torch.bfloat16)
-
-
-def gelu_args(dtype: torch.dtype, bias: bool, grad: bool = False, shape: tuple = (4, 5, 72)) -> tuple:
-    x = (3 * rand(*shape, dtype=torch.float64, seed=6)).to(dtype).requires_grad_(grad)
-    b = rand(shape[-1], dtype=dtype, seed=7, grad=grad) if bias else None
-    return x, b
+    check_mixed_norm(kind)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_bias_gelu_matches_reference(bias, dtype):
-    args = gelu_args(dtype, bias, grad=True)
-    assert_close(ops.bias_gelu(*args), reference.bias_gelu(*args), dtype)
-    for got, want in zip(grads_of(ops.bias_gelu, args), grads_of(reference.bias_gelu, args)):
-        assert_close(got, want, dtype)
+    check_bias_gelu(bias, dtype)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -115,41 +48,12 @@ def test_bias_gelu_gradcheck(bias):
 
 
 def test_bias_gelu_fp32_bias_on_bf16_input():
-    # autocast: fc's output is bf16, the bias parameter fp32; the result keeps x's dtype
-    x, b = rand(4, 72, dtype=torch.bfloat16, seed=8, grad=True), rand(72, seed=9).float().requires_grad_()
-    y = ops.bias_gelu(x, b)
-    assert y.dtype == torch.bfloat16
-    assert_close(y, reference.bias_gelu(x, b), torch.bfloat16)
-    got, want = grads_of(ops.bias_gelu, (x, b)), grads_of(reference.bias_gelu, (x, b))
-    assert got[1].dtype == torch.float32
-    assert_close(got[0], want[0], torch.bfloat16)
-    assert_close(got[1], want[1], torch.float32)
-
-
-def qkv_slice(dtype: torch.dtype, grad: bool = False, shape: tuple = (2, 6, 3, 3, 16)) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k as the model hands them to rope: a strided (b, s, 2 * nh, hd) view of qkv."""
-    qkv = rand(*shape, dtype=dtype, seed=10, grad=grad)  # (b, s, 3, nh, hd)
-    return qkv, qkv[:, :, :2].flatten(2, 3)
-
-
-def tables(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    from mshpc.model.attention import rope_cache
-
-    return rope_cache(8, 16, 10000.0, dtype=dtype)  # longer than the input: the first 6 rows
+    check_mixed_bias_gelu()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_matches_reference_on_a_strided_view(dtype):
-    qkv, qk = qkv_slice(dtype, grad=True)
-    assert not qk.is_contiguous()
-    cos, sin = tables()
-    out = ops.rope(qk, cos, sin)
-    assert out.is_contiguous()
-    assert_close(out, reference.rope(qk, cos, sin), dtype)
-    want = grads_of(lambda q: reference.rope(q[:, :, :2].flatten(2, 3), cos, sin), (qkv,))
-    got = grads_of(lambda q: ops.rope(q[:, :, :2].flatten(2, 3), cos, sin), (qkv,))
-    assert_close(got[0], want[0], dtype)
-    assert torch.equal(got[0][:, :, 2], torch.zeros_like(got[0][:, :, 2]))  # v is not rotated
+    check_rope(dtype)
 
 
 def test_rope_gradcheck():
