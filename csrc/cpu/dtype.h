@@ -10,9 +10,8 @@
 
 namespace mshpc {
 
-struct bf16 {
-  uint16_t bits;
-};
+// An enum, not a struct: GCC vectorises loads and stores of scalar types only.
+enum class bf16 : uint16_t {};
 using f16 = _Float16;
 
 template <class T> struct acc_of { using type = float; };
@@ -20,7 +19,7 @@ template <> struct acc_of<double> { using type = double; };
 template <class T> using acc_t = typename acc_of<T>::type;
 
 inline float to_acc(bf16 v) {
-  uint32_t u = uint32_t(v.bits) << 16;
+  uint32_t u = uint32_t(static_cast<uint16_t>(v)) << 16;
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
@@ -35,7 +34,7 @@ inline bf16 to_bf16(float f) {
   std::memcpy(&u, &f, sizeof u);
   uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return bf16{uint16_t(nan ? 0x7FC0u : rounded)};
+  return bf16(uint16_t(nan ? 0x7FC0u : rounded));
 }
 
 template <class T> inline T from_acc(acc_t<T> v);

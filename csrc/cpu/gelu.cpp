@@ -1,6 +1,7 @@
 // CPU twin of csrc/cuda/gelu.cu: y = gelu(x + bias) in GPT-2's tanh form (Hendrycks & Gimpel
 // 2016, eq. 2 approximation), forward and backward, with torch's derivative formula.
 #include <cmath>
+#include <vector>
 
 #include "dtype.h"
 
@@ -13,7 +14,7 @@ constexpr double kKappa = 0.044715;
 // exp for the simd loops (libm's expf does not vectorise): Cody-Waite reduction by ln 2 and
 // Cephes' degree-6 polynomial for e^r on |r| <= ln2/2 (relative error ~1e-7).
 inline float simd_exp(float x) {
-  x = std::fmin(std::fmax(x, -87.0f), 88.0f);
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // not fmin/fmax: their NaN rules block vectors
   float n = std::floor(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -32,7 +33,7 @@ inline float simd_exp(float x) {
 // tanh(u) = (e^2u - 1) / (e^2u + 1); clamped where tanh is 1 to float precision. GeLU uses
 // 1 + tanh and 1 - tanh^2, so the absolute error (~1e-7) is what matters, and it is small.
 inline float simd_tanh(float u) {
-  u = std::fmin(std::fmax(u, -9.0f), 9.0f);
+  u = u < -9.0f ? -9.0f : (u > 9.0f ? 9.0f : u);
   float e = simd_exp(2.0f * u);
   return (e - 1.0f) / (e + 1.0f);
 }
@@ -50,18 +51,19 @@ template <class A> inline A gelu_grad(A x) {
   return A(0.5) * (A(1) + t) + left * (A(1) - t * t) * A(kBeta) * (A(1) + A(3 * kKappa) * x2);
 }
 
+// The loops below add a bias in every case (zeros when there is none), so that they have no
+// branch inside and vectorise.
 template <class T>
 void bias_gelu_fwd(const T* x, const acc_t<T>* bias, T* y, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
+  std::vector<A> zeros(bias == nullptr ? cols : 0, A(0));
+  const A* b = bias != nullptr ? bias : zeros.data();
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < rows; ++i) {
     const T* xi = x + i * cols;
     T* yi = y + i * cols;
 #pragma omp simd
-    for (int64_t j = 0; j < cols; ++j) {
-      A v = to_acc(xi[j]);
-      yi[j] = from_acc<T>(gelu(bias != nullptr ? v + bias[j] : v));
-    }
+    for (int64_t j = 0; j < cols; ++j) yi[j] = from_acc<T>(gelu(A(to_acc(xi[j])) + b[j]));
   }
 }
 
@@ -69,19 +71,22 @@ template <class T>
 void bias_gelu_bwd(const T* dy, const T* x, const acc_t<T>* bias, T* dx, acc_t<T>* db_parts,
                    int64_t parts, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
+  std::vector<A> zeros(bias == nullptr ? cols : 0, A(0));
+  const A* b = bias != nullptr ? bias : zeros.data();
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < parts; ++p) {
-    A* db = db_parts != nullptr ? db_parts + p * cols : nullptr;
-    if (db != nullptr)
-      for (int64_t j = 0; j < cols; ++j) db[j] = 0;
+    std::vector<A> scratch(db_parts == nullptr ? cols : 0);  // the bias gradient nobody asked for
+    A* db = db_parts != nullptr ? db_parts + p * cols : scratch.data();
+    for (int64_t j = 0; j < cols; ++j) db[j] = 0;
     for (int64_t i = part_begin(p, parts, rows); i < part_begin(p + 1, parts, rows); ++i) {
-      const int64_t o = i * cols;
+      const T* xi = x + i * cols;
+      const T* dyi = dy + i * cols;
+      T* dxi = dx + i * cols;
 #pragma omp simd
       for (int64_t j = 0; j < cols; ++j) {
-        A v = to_acc(x[o + j]);
-        A d = A(to_acc(dy[o + j])) * gelu_grad(bias != nullptr ? v + bias[j] : v);
-        dx[o + j] = from_acc<T>(d);
-        if (db != nullptr) db[j] += d;
+        A d = A(to_acc(dyi[j])) * gelu_grad(A(to_acc(xi[j])) + b[j]);
+        dxi[j] = from_acc<T>(d);
+        db[j] += d;
       }
     }
   }

@@ -26,7 +26,9 @@ NAME = "mshpc_kernels"
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # -march=native: the CPU twins vectorise for this machine's widest units; the cache key below
 # includes the CPU's feature flags, so a node of another kind builds its own copy.
-CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+# -fno-trapping-math lets GCC if-convert float compares (clamps) inside `omp simd` loops; the
+# kernels never rely on floating-point traps, and IEEE results are unchanged.
+CPU_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-std=c++17"]
 # No --use_fast_math: the kernels must match the references, and the optimizer's divisions and
 # square roots with it would not be IEEE-rounded. The architecture is the visible device's.
 CUDA_FLAGS = ["-O3", "-std=c++17"]
@@ -82,6 +84,9 @@ def want_cuda() -> bool:
 def _compile(cuda: bool, verbose: bool) -> Path:
     from torch.utils import cpp_extension
 
+    if not (CSRC / "mshpc_kernels.h").is_file():
+        raise KernelError(f"the kernel sources are not at {CSRC} (a non-editable install leaves csrc/ "
+                          "out: install the checkout with pip install -e)")
     if cuda and cpp_extension.CUDA_HOME is None:
         raise KernelError("the CUDA kernels need nvcc, and no CUDA toolkit was found (set CUDA_HOME)")
     if shutil.which("ninja") is None:  # torch runs it from PATH, even for a cached build
