@@ -42,8 +42,7 @@ PEAK_HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
 class Case:
     name: str
     fused: Callable[[], object]
-    eager: Callable[[], object]
-    compiled: Callable[[], object] | None
+    baselines: dict[str, Callable[[], object]]  # "eager" first, then "compiled" and others
     bytes_moved: int  # the least the op must read and write
 
 
@@ -80,8 +79,10 @@ def op_cases(device: str, dtype: torch.dtype, compile_ok: bool) -> list[Case]:
     ]
     cases = []
     for name, fused, ref, args, nbytes in specs:
-        compiled = fwd_bwd(torch.compile(ref, dynamic=False), args, 4) if compile_ok else None
-        cases.append(Case(f"{name}_fwd_bwd", fwd_bwd(fused, args, 4), fwd_bwd(ref, args, 4), compiled, nbytes))
+        baselines = {"eager": fwd_bwd(ref, args, 4)}
+        if compile_ok:
+            baselines["compiled"] = fwd_bwd(torch.compile(ref, dynamic=False), args, 4)
+        cases.append(Case(f"{name}_fwd_bwd", fwd_bwd(fused, args, 4), baselines, nbytes))
     return cases
 
 
@@ -97,22 +98,26 @@ def shard_groups(device: str, n_tensors: int, numel: int) -> list[dict]:
 
 
 def optimizer_cases(device: str, compile_ok: bool) -> list[Case]:
+    """One step over a rank's ZeRO pieces: ours against the eager optimizers the engine uses
+    otherwise, torch.compile of them, and torch's own fused AdamW."""
     n_tensors, numel = (48, 1 << 17) if device == "cpu" else (96, 1 << 20)
     kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    fused_adamw = FusedAdamW(shard_groups(device, n_tensors, numel), **kw)
-    eager_adamw = torch.optim.AdamW(shard_groups(device, n_tensors, numel), foreach=True, **kw)
-    compiled_adamw = torch.optim.AdamW(shard_groups(device, n_tensors, numel), foreach=True, **kw)
-    fused_lamb = FusedShardedLamb(shard_groups(device, n_tensors, numel), n_tensors, None, **kw)
-    eager_lamb = ShardedLamb(shard_groups(device, n_tensors, numel), n_tensors, None, **kw)
-    compiled_lamb = ShardedLamb(shard_groups(device, n_tensors, numel), n_tensors, None, **kw)
+
+    def groups() -> list[dict]:
+        return shard_groups(device, n_tensors, numel)
+
+    adamw = {"eager": torch.optim.AdamW(groups(), foreach=True, **kw).step,
+             "torch_fused": torch.optim.AdamW(groups(), fused=True, **kw).step}
+    lamb = {"eager": ShardedLamb(groups(), n_tensors, None, **kw).step}
+    if compile_ok:
+        adamw["compiled"] = torch.compile(torch.optim.AdamW(groups(), foreach=True, **kw).step)
+        lamb["compiled"] = torch.compile(ShardedLamb(groups(), n_tensors, None, **kw).step)
     n = n_tensors * numel * 4
     return [
-        Case("adamw_step", fused_adamw.step, eager_adamw.step,
-             torch.compile(compiled_adamw.step) if compile_ok else None, 7 * n),
-        # LAMB's eager step would overwrite nothing, the fused one writes r into the grads: both
-        # read the same kind of values every round, so the times compare
-        Case("lamb_step", fused_lamb.step, eager_lamb.step,
-             torch.compile(compiled_lamb.step) if compile_ok else None, 10 * n),
+        Case("adamw_step", FusedAdamW(groups(), **kw).step, adamw, 7 * n),
+        # the fused LAMB writes its direction into the gradients, the eager one leaves them: each
+        # reads values of the same kind every round, so the times compare
+        Case("lamb_step", FusedShardedLamb(groups(), n_tensors, None, **kw).step, lamb, 10 * n),
     ]
 
 
@@ -127,7 +132,7 @@ def model_case(device: str) -> Case:
             loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
         return run
 
-    return Case("gpt_fwd_bwd", step(models["on"]), step(models["off"]), None, 0)
+    return Case("gpt_fwd_bwd", step(models["on"]), {"eager": step(models["off"])}, 0)
 
 
 def timed(fn: Callable[[], object], device: str, iters: int) -> float:
@@ -142,9 +147,7 @@ def timed(fn: Callable[[], object], device: str, iters: int) -> float:
 
 
 def measure(case: Case, device: str, rounds: int) -> dict[str, float]:
-    variants = {"fused": case.fused, "eager": case.eager}
-    if case.compiled is not None:
-        variants["compiled"] = case.compiled
+    variants = {"fused": case.fused, **case.baselines}
     iters = {}
     for name, fn in variants.items():  # warm up (and compile), then size a round to ~0.2 s
         fn()
@@ -166,9 +169,10 @@ def copy_gbps(device: str) -> float:
 
 
 def emit(case: Case, times: dict[str, float], device: str, dtype: str, peak_gbps: float | None) -> None:
-    for baseline in ("eager", "compiled"):
-        if baseline not in times:
-            continue
+    """A line per baseline (eager first, with the bandwidths, then compiled and others);
+    the bandwidth ceiling is the device's HBM peak on GPU, a same-run copy on CPU."""
+    ceiling = "peak" if device == "cuda" else "copy"
+    for baseline in case.baselines:
         line = {"bench": "kernels", "metric": f"{case.name}_time_vs_{baseline}", "value": times["fused"],
                 "unit": "s", "baseline": times[baseline], "ratio": times["fused"] / times[baseline],
                 "device": device, "dtype": dtype}
@@ -176,7 +180,7 @@ def emit(case: Case, times: dict[str, float], device: str, dtype: str, peak_gbps
             gbps = case.bytes_moved / times["fused"] / 1e9
             line.update(achieved_gbps=round(gbps, 1), eager_gbps=round(case.bytes_moved / times["eager"] / 1e9, 1))
             if peak_gbps is not None:
-                line.update(peak_gbps=peak_gbps, fraction_of_peak=round(gbps / peak_gbps, 3))
+                line.update({f"{ceiling}_gbps": round(peak_gbps, 1), f"fraction_of_{ceiling}": round(gbps / peak_gbps, 3)})
         print(json.dumps(line), flush=True)
 
 
@@ -196,6 +200,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument("--only", default="", help="run the cases whose name contains this, e.g. adamw")
     args = parser.parse_args()
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
     loaded = build.load()
@@ -210,6 +215,8 @@ def main() -> None:
             cases += [(c, "float32") for c in optimizer_cases(device, not args.no_compile)]
             cases.append((model_case(device), "float32"))
             for case, dtype in cases:
+                if args.only not in case.name:
+                    continue
                 emit(case, measure(case, device, args.rounds), device, dtype, peak)
         finally:
             dist.destroy_process_group()
