@@ -12,6 +12,7 @@ import hashlib
 import logging
 import platform
 import shutil
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,10 +69,25 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+def _toolchain() -> str:
+    """The first line of `ninja --version` and `c++ --version`: ninja tracks the commands it ran,
+    not the tools, and two ninja versions (a venv's and the system's) read each other's logs as
+    changed commands, so each would rebuild everything the other built."""
+    lines = []
+    for tool in ("ninja", "c++"):
+        try:
+            out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            out = ""
+        lines.append(out.strip().splitlines()[0] if out.strip() else f"{tool}: none")
+    return " | ".join(lines)
+
+
 def build_dir(cuda: bool) -> Path:
-    """One folder per torch build, CUDA or not, and CPU kind: nothing built for one is loaded by
-    another. torch's own hash of the sources and flags inside decides when to rebuild."""
-    key = hashlib.sha256(f"{torch.__version__}|{torch.version.cuda}|{cuda}|{_cpu_features()}".encode())
+    """One folder per torch build, CUDA or not, CPU kind and toolchain: nothing built for one is
+    loaded by another. torch's own hash of the sources and flags inside decides when to rebuild."""
+    identity = f"{torch.__version__}|{torch.version.cuda}|{cuda}|{_cpu_features()}|{_toolchain()}"
+    key = hashlib.sha256(identity.encode())
     tag = f"torch{torch.__version__.split('+')[0]}-{'cuda' if cuda else 'cpu'}-{key.hexdigest()[:12]}"
     return cache_root() / tag
 
