@@ -17,7 +17,7 @@ test: setup-test system-tools slurm-up cuda-check
 
 # Compile every CUDA kernel (csrc/cuda/*.cu: no torch headers, so nvcc alone suffices) for sm_80
 # and sm_90, compile only, so that a CUDA build break fails `make test` on a machine without a
-# GPU. Without nvcc it says so, and fails under CI=true.
+# GPU, in C++20 as torch builds them. Without nvcc it says so, and fails under CI=true.
 NVCC ?= nvcc
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
 CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,build/cuda-check/%.o,$(CUDA_SOURCES))
@@ -32,7 +32,7 @@ cuda-check:
 
 build/cuda-check/%.o: csrc/cuda/%.cu csrc/cuda/dtype.cuh csrc/mshpc_kernels.h
 	@mkdir -p $(@D)
-	$(NVCC) -std=c++17 -Werror all-warnings -gencode arch=compute_80,code=sm_80 \
+	$(NVCC) -std=c++20 -Werror all-warnings -gencode arch=compute_80,code=sm_80 \
 	  -gencode arch=compute_90,code=sm_90 -c $< -o $@
 
 # h5ls/h5dump, which the checkpoint tests use to show a checkpoint opens in the standard tools.

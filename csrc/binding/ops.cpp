@@ -6,8 +6,10 @@
 #include <torch/library.h>
 
 #ifdef MSHPC_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
+// c10's stream and guard only: ATen/cuda/CUDAContext.h would pull in cuBLAS and cuSPARSE headers
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #endif
 
 #include <algorithm>
@@ -35,7 +37,7 @@ struct OnDevice {
 #ifdef MSHPC_WITH_CUDA
     if (t.is_cuda()) {
       guard.emplace(t.device());
-      stream = at::cuda::getCurrentCUDAStream(t.device().index()).stream();
+      stream = c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
     }
 #endif
   }
@@ -65,7 +67,10 @@ const void* ptr_or_null(const std::optional<at::Tensor>& t) { return t && t->def
 int64_t grad_parts(const at::Tensor& t, int64_t rows) {
   int64_t parts = 32;
 #ifdef MSHPC_WITH_CUDA
-  if (t.is_cuda()) parts = 2 * at::cuda::getDeviceProperties(t.device().index())->multiProcessorCount;
+  int sms = 0;
+  if (t.is_cuda() && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, t.device().index()) == cudaSuccess) {
+    parts = 2 * int64_t(sms);
+  }
 #endif
   return std::max<int64_t>(1, std::min(rows, parts));
 }

@@ -30,10 +30,11 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc"
 # -fno-trapping-math lets GCC if-convert float compares (clamps) inside `omp simd` loops, and
 # -fno-math-errno turns sqrt into an instruction rather than a libm call that blocks vectors;
 # the kernels never read traps or errno, and IEEE results are unchanged.
-CPU_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp", "-std=c++17"]
+# The C++ standard is torch's (its headers need C++20).
+CPU_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"]
 # No --use_fast_math: the kernels must match the references, and the optimizer's divisions and
 # square roots with it would not be IEEE-rounded. The architecture is the visible device's.
-CUDA_FLAGS = ["-O3", "-std=c++17"]
+CUDA_FLAGS = ["-O3"]
 
 
 @dataclass(frozen=True)
