@@ -7,13 +7,33 @@ BIN := $(VENV)/bin
 CPU_TORCH := torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: run test setup setup-test system-tools clean slurm-up slurm-down
+.PHONY: run test setup setup-test system-tools clean slurm-up slurm-down cuda-check
 
 run: setup
 	$(BIN)/mshpc train configs/tiny.yaml
 
-test: setup-test system-tools slurm-up
+test: setup-test system-tools slurm-up cuda-check
 	$(BIN)/python -m pytest tests -q
+
+# Compile every CUDA kernel (csrc/cuda/*.cu: no torch headers, so nvcc alone suffices) for sm_80
+# and sm_90, compile only, so that a CUDA build break fails `make test` on a machine without a
+# GPU, in C++20 as torch builds them. Without nvcc it says so, and fails under CI=true.
+NVCC ?= nvcc
+CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
+CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,build/cuda-check/%.o,$(CUDA_SOURCES))
+
+cuda-check:
+	@if command -v $(NVCC) >/dev/null 2>&1; then \
+	  $(MAKE) --no-print-directory $(CUDA_OBJECTS) && \
+	  echo "mshpc: nvcc compiled $(words $(CUDA_SOURCES)) CUDA files for sm_80 and sm_90"; \
+	elif [ "$$CI" = true ]; then \
+	  echo "mshpc: nvcc not found: csrc/cuda cannot be compile-checked (required under CI)"; exit 1; \
+	else echo "mshpc: nvcc not found: csrc/cuda is not compile-checked here (CI requires it)"; fi
+
+build/cuda-check/%.o: csrc/cuda/%.cu csrc/cuda/dtype.cuh csrc/mshpc_kernels.h
+	@mkdir -p $(@D)
+	$(NVCC) -std=c++20 -Werror all-warnings -gencode arch=compute_80,code=sm_80 \
+	  -gencode arch=compute_90,code=sm_90 -c $< -o $@
 
 # h5ls/h5dump, which the checkpoint tests use to show a checkpoint opens in the standard tools.
 system-tools:

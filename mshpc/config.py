@@ -42,6 +42,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     dropout: float = _min(0.0, 0.0)
     init_std: float = 0.02
+    # csrc/ kernels (fused add+norm, bias+GeLU, RoPE, multi-tensor optimizer step): auto uses them
+    # where they build and otherwise the pure-torch references; on fails if they cannot build
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
+    mlp_bias: bool = False  # biases in the MLP (GPT-2's); the first is added inside the fused GeLU
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 continue
     elif origin is Literal:
-        if value in typing.get_args(tp):
+        choices = typing.get_args(tp)
+        if isinstance(value, bool) and "on" in choices and "off" in choices:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare on/off as a boolean
+        if value in choices:
             return value
     elif tp is type(None):
         if value is None:
@@ -377,6 +384,11 @@ def _check_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.n_head={m.n_head} (choose {_divisors(m.n_head)})"
         )
+    if m.mlp_bias and p.tp > 1:
+        # Megatron splits the first bias with fc's rows and adds the second after the
+        # reduce-scatter; the tensor-parallel layers here carry no biases yet
+        raise ConfigError(f"model.mlp_bias=true is not available with parallel.tp={p.tp} (choose "
+                          "model.mlp_bias=false, or parallel.tp=1)")
     if m.seq_len % p.tp:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.seq_len={m.seq_len} (sequence parallelism "

@@ -19,3 +19,7 @@ class LaunchError(MshpcError):
 
 class CheckpointError(MshpcError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
+
+
+class KernelError(MshpcError):
+    """The fused kernels were asked for (model.fused_kernels: on) but cannot be built or loaded."""

@@ -1,7 +1,22 @@
 import os
+import warnings
 from pathlib import Path
 
 import pytest
+
+from mshpc.errors import KernelError
+from mshpc.kernels import build
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fused_kernels_built() -> None:
+    """Build the fused kernels (csrc/) once, before any test: otherwise the first model a test
+    makes compiles them, perhaps inside a timed multi-rank test. Later sessions load the cache.
+    A failure is the kernel tests' to report; the rest run on the fallback (fused_kernels=auto)."""
+    try:
+        build.load()
+    except KernelError as exc:
+        warnings.warn(f"fused kernels unavailable, tests use the reference operators: {exc}")
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mshpc.config import ModelConfig
+from mshpc.kernels.dispatch import select_kernels
+
+try:  # FlashAttention's local window through a public API (torch 2.13 has it; older ones may not)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+log = logging.getLogger(__name__)
 
 
 def rope_cache(
@@ -23,15 +34,6 @@ def rope_cache(
     positions = torch.arange(seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)  # (s, hd/2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x[..., i], x[..., i + hd/2]) of x (b, n_head, s, hd) by its position's
-    angle (RoFormer eq. 34 in GPT-NeoX's rotate-half pairing); cos and sin are (s, hd/2)."""
-    x1, x2 = x.chunk(2, dim=-1)  # each (b, nh, s, hd/2)
-    # Products promote a bf16 x to the fp32 tables; the result goes back to x's dtype.
-    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.type_as(x)
 
 
 def sliding_window_mask(
@@ -54,14 +56,49 @@ def document_mask(segments: torch.Tensor, window: int | None) -> torch.Tensor:
     return (same_doc & sliding_window_mask(s, window, segments.device)).unsqueeze(1)
 
 
+def flash_window_supported(q: torch.Tensor, dropout_p: float) -> tuple[bool, str]:
+    """Whether FlashAttention's own sliding window (torch.nn.attention.varlen.varlen_attn with
+    window_size) can take q (b, s, nh, hd), and why not: it is CUDA-only, for fp16/bf16, head
+    dims up to 256, and has no dropout."""
+    if varlen_attn is None:
+        return False, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    if not q.is_cuda:
+        return False, "not on CUDA"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False, f"{q.dtype} (flash takes float16/bfloat16)"
+    if dropout_p > 0:
+        return False, "dropout > 0 (flash's varlen path has none)"
+    if q.shape[-1] > 256:
+        return False, f"head dim {q.shape[-1]} > 256"
+    return True, "CUDA, half precision, no dropout"
+
+
+@functools.cache
+def _log_window_path(path: str, reason: str) -> None:
+    log.info("sliding-window attention: %s (%s)", path, reason)
+
+
+def flash_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Causal attention over q, k, v (b, s, nh, hd) where query i sees keys i - W + 1 .. i, by
+    FlashAttention's local window: O(s * W) work, and no (s, s) mask is read."""
+    b, s, nh, hd = q.shape
+    # each sequence of the batch is one variable-length segment of the packed (b * s) tokens
+    cu_seq = torch.arange(0, (b + 1) * s, s, device=q.device, dtype=torch.int32)
+    packed = [t.reshape(b * s, nh, hd) for t in (q, k, v)]
+    y = varlen_attn(*packed, cu_seq, cu_seq, s, s, window_size=(window - 1, 0))  # (b * s, nh, hd)
+    return y.view(b, s, nh, hd)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: fused qkv projection, RoPE on q and k, SDPA, output
-    projection. A sliding window narrower than the input uses a boolean mask; otherwise
-    `is_causal=True` keeps SDPA's flash path. A document mask (`document_mask`), when given,
-    replaces both."""
+    projection. Inputs no longer than the window take SDPA's `is_causal=True` (its flash path);
+    a narrower sliding window takes FlashAttention's own window where it can run (CUDA, half
+    precision, no dropout) and otherwise SDPA with a boolean mask. A document mask
+    (`document_mask`), when given, replaces both."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.kernels = select_kernels(cfg.fused_kernels)
         self.head_dim = cfg.d_model // cfg.n_head
         # No window is a window as wide as the longest input.
         self.window = cfg.seq_len if cfg.sliding_window is None else cfg.sliding_window
@@ -82,23 +119,30 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x)  # (b, s, 3 * d): s and the width from qkv, which may gather or split them
         b, s = qkv.shape[:2]
         # -1 heads: the local head count, which tensor parallelism divides.
-        q, k, v = qkv.view(b, s, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # each (b, nh, s, hd)
-        y = self.attend(q, k, v, doc_mask).transpose(1, 2).reshape(b, s, -1)  # (b, s, d)
-        return self.resid_dropout(self.proj(y))
+        qkv = qkv.view(b, s, 3, -1, self.head_dim)  # (b, s, 3, nh, hd)
+        # q and k rotated in one call, as (b, s, 2 * nh, hd): a strided view of qkv, no copy
+        qk = self.kernels.rope(qkv[:, :, :2].flatten(2, 3), self.rope_cos, self.rope_sin)
+        q, k = qk.unflatten(2, (2, -1)).unbind(2)  # each (b, s, nh, hd)
+        y = self.attend(q, k, qkv[:, :, 2], self.dropout if self.training else 0.0, doc_mask)
+        return self.resid_dropout(self.proj(y.reshape(b, s, -1)))  # (b, s, d)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                doc_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """The attention core, RoPE and softmax(q k^T) v on (b, nh, s, hd), within each document
-        when `doc_mask` (b, 1, s, s) is given: its own method so that selective activation
-        checkpointing can recompute just this part."""
-        s = q.shape[2]
-        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        dropout_p = self.dropout if self.training else 0.0
+        """Causal attention over q, k, v (b, s, nh, hd), within the window and, when `doc_mask`
+        (b, 1, s, s) is given, within each document; returns (b, s, nh, hd). Its own method so
+        that selective activation checkpointing can recompute just this part."""
+        s = q.shape[1]
+        if s > self.window and doc_mask is None:
+            flash, reason = flash_window_supported(q, dropout_p)
+            _log_window_path("FlashAttention window" if flash else "SDPA with a boolean mask", reason)
+            if flash:
+                return flash_window_attention(q, k, v, self.window)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, nh, s, hd), as SDPA takes them
         if doc_mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, dropout_p=dropout_p)
-        if s <= self.window:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
-        # The window mask depends only on (i, j), so a shorter input uses its top-left corner.
-        mask = self.mask[:s, :s]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, dropout_p=dropout_p)
+        elif s <= self.window:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:
+            # The window mask depends only on (i, j), so a shorter input uses its top-left corner.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:s, :s], dropout_p=dropout_p)
+        return y.transpose(1, 2)

@@ -13,50 +13,71 @@ from torch import nn
 
 from mshpc.config import ModelConfig
 from mshpc.errors import ConfigError
+from mshpc.kernels.dispatch import REFERENCE, Kernels, select_kernels
 from mshpc.model.attention import CausalSelfAttention, document_mask
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, x / sqrt(mean(x^2) + eps) * g (Zhang & Sennrich 2019, eq. 4),
-    computed in at least fp32."""
+    computed in at least fp32. forward(x, residual) adds the residual first, in the same kernel
+    when the kernels are fused, and returns (normed, x + residual)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, kernels: Kernels = REFERENCE) -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 squares would lose the mean
-        normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (Ba et al. 2016), computed in at least fp32; forward as
+    RMSNorm's: (normed, x + residual)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, kernels: Kernels = REFERENCE) -> None:
+        super().__init__()
+        self.eps = eps
+        self.kernels = kernels
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernels.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+
+
+def build_norm(cfg: ModelConfig) -> RMSNorm | LayerNorm:
     """The norm named by `cfg.norm` over d_model features."""
+    kernels = select_kernels(cfg.fused_kernels)
     if cfg.norm == "rmsnorm":
-        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps, kernels=kernels)
     if cfg.norm == "layernorm":
-        return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        return LayerNorm(cfg.d_model, eps=cfg.norm_eps, kernels=kernels)
     raise ConfigError(f"model.norm={cfg.norm!r} is not a norm (choose 'rmsnorm' or 'layernorm')")
 
 
 class MLP(nn.Module):
-    """d -> mlp_ratio*d -> d feed-forward with GeLU in GPT-2's tanh approximation; no biases."""
+    """d -> mlp_ratio*d -> d feed-forward with GeLU in GPT-2's tanh approximation; biases only
+    with model.mlp_bias. The first bias is a parameter of its own, added inside the GeLU kernel
+    (Megatron's skip_bias_add with its bias-GeLU fusion), so that fc stays a plain GEMM."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.kernels = select_kernels(cfg.fused_kernels)
         self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=False)
+        self.fc_bias = nn.Parameter(torch.zeros(cfg.mlp_ratio * cfg.d_model)) if cfg.mlp_bias else None
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.mlp_bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+        return self.dropout(self.proj(self.kernels.bias_gelu(self.fc(x), self.fc_bias)))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block. Serial: x + attn(ln_1(x)), then + mlp(ln_2(.)). Parallel
-    (PaLM, Chowdhery et al. 2022 sec. 2; MegaScale sec. 3.1): x + attn(ln_1(x)) + mlp(ln_1(x)),
-    one norm and no ln_2."""
+    """Pre-norm transformer block. Serial: x + attn(ln_1(x)), then + mlp(ln_2(.)), the middle
+    residual add fused into ln_2. Parallel (PaLM, Chowdhery et al. 2022 sec. 2; MegaScale sec.
+    3.1): x + attn(ln_1(x)) + mlp(ln_1(x)), one norm and no ln_2."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -66,11 +87,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h, _ = self.ln_1(x)  # (b, s, d)
         if self.ln_2 is None:
-            h = self.ln_1(x)  # (b, s, d), shared by both branches
-            return x + self.attn(h, doc_mask) + self.mlp(h)
-        x = x + self.attn(self.ln_1(x), doc_mask)
-        return x + self.mlp(self.ln_2(x))
+            return x + self.attn(h, doc_mask) + self.mlp(h)  # both branches read the same normed input
+        h, x = self.ln_2(self.attn(h, doc_mask), residual=x)  # x + attn(.), and its norm, in one pass
+        return x + self.mlp(h)
 
 
 class GPT(nn.Module):
@@ -97,16 +118,17 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Draw weights from N(0, init_std) and set norms to 1; residual output projections get
-        std / sqrt(2 * n_layer), GPT-2's scaling (Radford et al. 2019, sec. 2.3)."""
+        """Draw weights from N(0, init_std), set norms to 1 and biases to 0; residual output
+        projections get std / sqrt(2 * n_layer), GPT-2's scaling (Radford et al. 2019, sec. 2.3)."""
         std = self.cfg.init_std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            elif isinstance(module, (RMSNorm, LayerNorm)):
                 nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+            for name, p in module.named_parameters(recurse=False):
+                if name.endswith("bias") and p is not None:  # norm, linear and fc_bias
+                    nn.init.zeros_(p)
         for layer in self.layers.values():
             for proj in (layer.attn.proj, layer.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
@@ -123,7 +145,8 @@ class GPT(nn.Module):
             x = layer(x, mask)
         if self.lm_head is None:
             return x
-        return self.lm_head(self.norm(x)).float()  # (b, s, vocab)
+        h, _ = self.norm(x)
+        return self.lm_head(h).float()  # (b, s, vocab)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameters counted once each (a tied weight once). exclude_embeddings leaves out the

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from mshpc.optim.multi_tensor import init_moments
+
 
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2):
@@ -44,11 +46,7 @@ class Lamb(torch.optim.Optimizer):
     def _direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """Advance p's moments; return r = m_hat / (sqrt(v_hat) + eps) + weight_decay * w."""
         state = self.state[p]
-        if not state:
-            # A CPU float "step", as torch's Adam keeps it, so checkpoints treat both alike.
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        init_moments(state, p)  # torch's Adam state layout, so checkpoints treat both alike
         beta1, beta2 = group["betas"]
         state["step"] += 1
         t = state["step"].item()

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mshpc.config import Config, ParallelConfig
+from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -128,4 +129,6 @@ def apply_zero(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] =
     tied embedding): its gradient is summed over the mesh's embed group."""
     replicated = tp_replicated(model) if mesh.shape.tp > 1 else frozenset()
     mp = ModelParallel(tp=mesh.tp, replicated=replicated, norm=mesh.mp, tied=tied, tied_group=mesh.embed)
-    return build_zero_engine(model, cfg.optim, cfg.parallel, mesh.dp, mp)
+    # the fused multi-tensor optimizer where the kernels built (chosen once per process, logged)
+    fused = select_kernels(cfg.model.fused_kernels).fused
+    return build_zero_engine(model, cfg.optim, cfg.parallel, mesh.dp, mp, fused=fused)

@@ -4,7 +4,9 @@ model parameter, and its state exists only for that piece.
 AdamW is elementwise, so torch's AdamW over the pieces is the unsharded AdamW. LAMB's trust
 ratio needs the norms of whole parameters; `ShardedLamb` sums the pieces' squared norms over
 the dp group with one all-reduce per step, and under tensor parallelism over the tp group too
-(the norm of a tp-split parameter is that of the unsplit one).
+(the norm of a tp-split parameter is that of the unsplit one). With the fused kernels both
+update all of a rank's pieces in one multi-tensor launch (LAMB: one before the all-reduce, one
+after).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import torch.distributed as dist
 
 from mshpc.config import OptimConfig
 from mshpc.errors import ConfigError
+from mshpc.kernels.ops import mshpc_ops
 from mshpc.optim.lamb import Lamb
+from mshpc.optim.multi_tensor import FusedAdamW, advance_steps, init_moments
 from mshpc.parallel import comm
 
 # The per-piece state tensors both optimizers keep (besides the step counter).
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
+Piece = tuple[torch.Tensor, dict[str, Any], int]  # a shard piece, its group, its parameter's index
 
 
 class ShardedLamb(Lamb):
@@ -45,20 +50,15 @@ class ShardedLamb(Lamb):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore
         """Update every piece; every dp rank must call it (one all-reduce of 2 * n_params)."""
         assert closure is None, "ShardedLamb.step takes no closure"
-        pieces, updates, owners = [], [], []
-        for group in self.param_groups:
-            for p, owner in zip(group["params"], group["owner"]):
-                if p.grad is not None:
-                    pieces.append((p, group))
-                    updates.append(self._direction(p, group))
-                    owners.append(owner)
+        pieces = [(p, group, owner) for group in self.param_groups
+                  for p, owner in zip(group["params"], group["owner"]) if p.grad is not None]
         device = pieces[0][0].device if pieces else torch.device("cpu")
         # (2, n_params): squared norms of w and r per whole parameter, summed over ranks
         norms_sq = torch.zeros(2, self.n_params, device=device)
+        updates: list[torch.Tensor] = []
         if pieces:
-            index = torch.tensor(owners, device=device)
-            norms_sq[0].index_add_(0, index, torch.stack([p.square().sum() for p, _ in pieces]))
-            norms_sq[1].index_add_(0, index, torch.stack([r.square().sum() for r in updates]))
+            updates, piece_norms_sq = self._directions(pieces)
+            norms_sq.index_add_(1, torch.tensor([owner for *_, owner in pieces], device=device), piece_norms_sq)
         comm.all_reduce(norms_sq, group=self.dp_group)
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             if dist.get_rank(self.tp_group) > 0:
@@ -67,31 +67,72 @@ class ShardedLamb(Lamb):
         w_norm, r_norm = norms_sq.sqrt()
         ok = (w_norm > 0) & (r_norm > 0)
         trust = torch.where(ok, w_norm / r_norm, torch.ones_like(w_norm))  # (n_params,)
-        for (p, group), r, owner in zip(pieces, updates, owners):
-            p.add_(r * trust[owner], alpha=-group["lr"])
+        self._apply(pieces, updates, trust)
         return None
+
+    def _directions(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each piece's direction r, and the squared norms of the pieces and of r, (2, pieces)."""
+        updates = [self._direction(p, group) for p, group, _ in pieces]
+        norms_sq = torch.stack([torch.stack([p.square().sum() for p, _, _ in pieces]),
+                                torch.stack([r.square().sum() for r in updates])])
+        return updates, norms_sq
+
+    def _apply(self, pieces: list[Piece], updates: list[torch.Tensor], trust: torch.Tensor) -> None:
+        for (p, group, owner), r in zip(pieces, updates):
+            p.add_(r * trust[owner], alpha=-group["lr"])
+
+
+class FusedShardedLamb(ShardedLamb):
+    """ShardedLamb with its two local halves as multi-tensor kernels (csrc/): one launch advances
+    every piece's moments and writes its direction into the piece's gradient, with both squared
+    norms; after the all-reduce one launch applies the trust-scaled directions. Betas and eps are
+    the optimizer's; groups may set lr and weight_decay."""
+
+    def _directions(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        params = [p for p, _, _ in pieces]
+        for p in params:
+            init_moments(self.state[p], p)
+        states = [self.state[p] for p in params]
+        steps = advance_steps(states)
+        assert len(set(steps)) == 1, "ZeRO pieces always have gradients, so they step together"
+        beta1, beta2 = self.defaults["betas"]
+        grads = [p.grad for p in params]
+        norms_sq = mshpc_ops.multi_tensor_lamb_direction(
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [float(group["weight_decay"]) for _, group, _ in pieces], beta1, beta2, self.defaults["eps"], steps[0])
+        return grads, norms_sq.T  # the directions now live in the gradients
+
+    def _apply(self, pieces: list[Piece], updates: list[torch.Tensor], trust: torch.Tensor) -> None:
+        if not pieces:
+            return
+        device = trust.device
+        owners = torch.tensor([owner for *_, owner in pieces], device=device)
+        lrs = torch.tensor([float(group["lr"]) for _, group, _ in pieces], device=device)
+        mshpc_ops.multi_tensor_lamb_apply([p for p, _, _ in pieces], updates, trust[owners] * lrs)
 
 
 def build_shard_optimizer(
     groups: list[dict[str, Any]], n_params: int, cfg: OptimConfig, group: dist.ProcessGroup | None,
-    tp_group: dist.ProcessGroup | None = None, tp_whole: frozenset[int] = frozenset(),
+    tp_group: dist.ProcessGroup | None = None, tp_whole: frozenset[int] = frozenset(), fused: bool = False,
 ) -> torch.optim.Optimizer:
     """AdamW or ShardedLamb by cfg.name over shard-piece groups (each with "params",
-    "weight_decay" and "owner"), with every piece's state created now (zeros, step 0), so the
-    state is complete, and measurable, before the first step. tp_group, tp_whole: see
-    ShardedLamb."""
+    "weight_decay" and "owner"), their multi-tensor kernel versions when `fused` (the kernels
+    must be loaded: mshpc.kernels.dispatch), with every piece's state created now (zeros, step
+    0), so the state is complete, and measurable, before the first step. tp_group, tp_whole:
+    see ShardedLamb."""
     betas = (cfg.beta1, cfg.beta2)
     if cfg.name == "adamw":
         # "owner" rides along in the groups unused: AdamW needs no whole-parameter norms.
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=True)
+        optimizer: torch.optim.Optimizer = (
+            FusedAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps) if fused
+            else torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=True))
     elif cfg.name == "lamb":
-        optimizer = ShardedLamb(groups, n_params, group, lr=cfg.lr, betas=betas, eps=cfg.eps,
-                                tp_group=tp_group, tp_whole=tp_whole)
+        lamb = FusedShardedLamb if fused else ShardedLamb
+        optimizer = lamb(groups, n_params, group, lr=cfg.lr, betas=betas, eps=cfg.eps,
+                         tp_group=tp_group, tp_whole=tp_whole)
     else:
         raise ConfigError(f"optim.name={cfg.name!r} is not an optimizer (choose 'adamw' or 'lamb')")
     for g in optimizer.param_groups:
         for p in g["params"]:
-            # A CPU float step, as torch's AdamW makes it when not capturable.
-            optimizer.state[p] = {"step": torch.tensor(0.0), **{k: torch.zeros_like(p) for k in STATE_KEYS}}
+            init_moments(optimizer.state[p], p)
     return optimizer

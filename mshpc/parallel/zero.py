@@ -400,11 +400,11 @@ def _register_hooks(engine: ZeroEngine) -> None:
 
 def build_zero_engine(
     model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
-    mp: ModelParallel = ModelParallel(),
+    mp: ModelParallel = ModelParallel(), fused: bool = False,
 ) -> ZeroEngine:
     """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
-    (None: the world), with the optimizer named by `optim`; `mp` says how the model is split
-    besides. Collective over the dp group."""
+    (None: the world), with the optimizer named by `optim` (its multi-tensor kernel version when
+    `fused`); `mp` says how the model is split besides. Collective over the dp group."""
     named = _trainable(model)
     params = [p for _, p in named]
     rank, dp = dist.get_rank(group), dist.get_world_size(group)
@@ -421,7 +421,7 @@ def build_zero_engine(
     pieces = build_shard_pieces(named, buckets, rank, mp)
     groups = build_piece_groups(model, named, pieces, optim.weight_decay)
     tp_whole = frozenset(i for i, rep in enumerate(replicated) if rep)
-    optimizer = build_shard_optimizer(groups, len(params), optim, group, mp.tp, tp_whole)
+    optimizer = build_shard_optimizer(groups, len(params), optim, group, mp.tp, tp_whole, fused)
     engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group,
                         parallel.dp_overlap, mp)
     _register_hooks(engine)

@@ -31,7 +31,19 @@ def test_dotted_overrides_apply_with_yaml_types():
     assert cfg.model.sliding_window == 32 and cfg.model.parallel_block is False
 
 
+def test_on_off_choices_survive_yaml_booleans(tmp_path):
+    # YAML 1.1 reads a bare on/off as true/false; a field whose choices are "on"/"off" takes them
+    for raw, want in (("on", "on"), ("off", "off"), ("auto", "auto")):
+        cfg = load_config(REPO / "configs/tiny.yaml", [f"model.fused_kernels={raw}"])
+        assert cfg.model.fused_kernels == want
+        (tmp_path / "c.yaml").write_text(dump_yaml(cfg))
+        assert load_config(tmp_path / "c.yaml") == cfg
+    with pytest.raises(ConfigError, match="model.fused_kernels='always' is not a valid choice"):
+        load_config(None, ["model.fused_kernels=always"])
+
+
 BAD = [
+    (["model.mlp_bias=true", "parallel.tp=2"], "model.mlp_bias=true is not available with parallel.tp=2"),
     (["model.n_layers=4"], "unknown config key 'model.n_layers' (did you mean 'n_layer'?"),
     (["modle.n_layer=4"], "unknown config key 'modle' (did you mean 'model'?"),
     (["train.steps=ten"], "train.steps='ten' has the wrong type (expected int)"),

@@ -6,14 +6,18 @@ import pytest
 import torch
 
 from mshpc.config import ModelConfig
-from mshpc.model.attention import (
-    CausalSelfAttention, apply_rope, document_mask, rope_cache, sliding_window_mask,
-)
+from mshpc.kernels.reference import rope
+from mshpc.model.attention import CausalSelfAttention, document_mask, rope_cache, sliding_window_mask
 
 
 def naive_allowed(i: int, j: int, window: int | None) -> bool:
     """The documented convention: query i sees keys max(0, i - W + 1)..i, W tokens with itself."""
     return j <= i and (window is None or j >= max(0, i - window + 1))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The reference rope on the (b, n_head, s, hd) layout these tests write."""
+    return rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
 
 
 def naive_rope(x: torch.Tensor, theta: float) -> torch.Tensor:

@@ -1,0 +1,119 @@
+// CPU twin of csrc/cuda/gelu.cu: y = gelu(x + bias) in GPT-2's tanh form (Hendrycks & Gimpel
+// 2016, eq. 2 approximation), forward and backward, with torch's derivative formula.
+#include <cmath>
+#include <vector>
+
+#include "dtype.h"
+
+namespace mshpc {
+namespace {
+
+constexpr double kBeta = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double kKappa = 0.044715;
+
+// exp for the simd loops (libm's expf does not vectorise): Cody-Waite reduction by ln 2 and
+// Cephes' degree-6 polynomial for e^r on |r| <= ln2/2 (relative error ~1e-7).
+inline float simd_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // not fmin/fmax: their NaN rules block vectors
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// tanh(u) = (e^2u - 1) / (e^2u + 1); clamped where tanh is 1 to float precision. GeLU uses
+// 1 + tanh and 1 - tanh^2, so the absolute error (~1e-7) is what matters, and it is small.
+inline float simd_tanh(float u) {
+  u = u < -9.0f ? -9.0f : (u > 9.0f ? 9.0f : u);
+  float e = simd_exp(2.0f * u);
+  return (e - 1.0f) / (e + 1.0f);
+}
+inline double simd_tanh(double u) { return std::tanh(u); }
+
+template <class A> inline A gelu(A x) {
+  A t = simd_tanh(A(kBeta) * (x + A(kKappa) * x * x * x));
+  return A(0.5) * x * (A(1) + t);
+}
+
+template <class A> inline A gelu_grad(A x) {
+  A x2 = x * x;
+  A t = simd_tanh(A(kBeta) * (x + A(kKappa) * x2 * x));
+  A left = A(0.5) * x;
+  return A(0.5) * (A(1) + t) + left * (A(1) - t * t) * A(kBeta) * (A(1) + A(3 * kKappa) * x2);
+}
+
+// The loops below add a bias in every case (zeros when there is none), so that they have no
+// branch inside and vectorise.
+template <class T>
+void bias_gelu_fwd(const T* x, const acc_t<T>* bias, T* y, int64_t rows, int64_t cols) {
+  using A = acc_t<T>;
+  std::vector<A> zeros(bias == nullptr ? cols : 0, A(0));
+  const A* b = bias != nullptr ? bias : zeros.data();
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* xi = x + i * cols;
+    T* yi = y + i * cols;
+#pragma omp simd
+    for (int64_t j = 0; j < cols; ++j) yi[j] = from_acc<T>(gelu(A(to_acc(xi[j])) + b[j]));
+  }
+}
+
+template <class T>
+void bias_gelu_bwd(const T* dy, const T* x, const acc_t<T>* bias, T* dx, acc_t<T>* db_parts,
+                   int64_t parts, int64_t rows, int64_t cols) {
+  using A = acc_t<T>;
+  std::vector<A> zeros(bias == nullptr ? cols : 0, A(0));
+  const A* b = bias != nullptr ? bias : zeros.data();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < parts; ++p) {
+    std::vector<A> scratch(db_parts == nullptr ? cols : 0);  // the bias gradient nobody asked for
+    A* db = db_parts != nullptr ? db_parts + p * cols : scratch.data();
+    for (int64_t j = 0; j < cols; ++j) db[j] = 0;
+    for (int64_t i = part_begin(p, parts, rows); i < part_begin(p + 1, parts, rows); ++i) {
+      const T* xi = x + i * cols;
+      const T* dyi = dy + i * cols;
+      T* dxi = dx + i * cols;
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) {
+        A d = A(to_acc(dyi[j])) * gelu_grad(A(to_acc(xi[j])) + b[j]);
+        dxi[j] = from_acc<T>(d);
+        db[j] += d;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mshpc
+
+extern "C" const char* mshpc_bias_gelu_fwd_cpu(const void* x, const void* bias, void* y, int dtype,
+                                                int64_t rows, int64_t cols, void* /*stream*/) {
+  using namespace mshpc;
+  bool ok = visit_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    bias_gelu_fwd(static_cast<const T*>(x), static_cast<const acc_t<T>*>(bias), static_cast<T*>(y), rows, cols);
+  });
+  return ok ? nullptr : "bias_gelu: unsupported dtype";
+}
+
+extern "C" const char* mshpc_bias_gelu_bwd_cpu(const void* dy, const void* x, const void* bias,
+                                                void* dx, void* dbias_parts, int dtype, int64_t parts,
+                                                int64_t rows, int64_t cols, void* /*stream*/) {
+  using namespace mshpc;
+  bool ok = visit_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    using A = acc_t<T>;
+    bias_gelu_bwd(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const A*>(bias),
+                  static_cast<T*>(dx), static_cast<A*>(dbias_parts), parts, rows, cols);
+  });
+  return ok ? nullptr : "bias_gelu backward: unsupported dtype";
+}
