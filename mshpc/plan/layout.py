@@ -71,5 +71,4 @@ def enumerate_layouts(cfg: Config, gpus: int, gpus_per_node: int) -> list[Layout
 def layout_of(cfg: Config) -> Layout:
     """The layout a config trains with as written."""
     p, t = cfg.parallel, cfg.train
-    ac = getattr(p, "activation_checkpointing", "none")
-    return Layout(p.dp, p.tp, p.pp, p.virtual_stages, t.micro_batch, t.grad_accum, ac)
+    return Layout(p.dp, p.tp, p.pp, p.virtual_stages, t.micro_batch, t.grad_accum, p.activation_checkpointing)

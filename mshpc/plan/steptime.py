@@ -7,7 +7,8 @@ its bytes times nccl-tests' bus-bandwidth factor over the link it crosses. The p
 (p - 1)/(v m) of the ideal time). Overlap hides what the engine overlaps: the ZeRO
 reduce-scatter behind the last micro-batch's backward and the all-gather behind the first
 forward (MegaScale sec. 3.2), sequence-parallel collectives behind the neighbouring GEMMs in
-chunks when parallel.tp_overlap is on (all but the first chunk), and pipeline send/recv behind
+parallel.tp_overlap_chunks chunks when parallel.tp_overlap is on (all but the first chunk, and
+no more than the GEMMs last), and pipeline send/recv behind
 compute in the steady state (decoupled send/recv), leaving the fill and drain transfers.
 """
 
@@ -22,7 +23,6 @@ from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout
 from mshpc.plan.memory import GRAD_BYTES, WEIGHT_BYTES, stage_params
 
-TP_CHUNKS = 4  # sequence chunks of an overlapped all-gather / reduce-scatter
 # Optimizer step bytes per sharded parameter: read master, grad and two moments, write three.
 OPTIMIZER_BYTES = 7 * 4
 
@@ -87,16 +87,17 @@ def stage_compute_s(cfg: Config, layout: Layout, dev: DeviceSpec) -> float:
 
 def tp_exposed_s(cfg: Config, layout: Layout, dev: DeviceSpec, compute_s: float) -> float:
     """Sequence-parallel all-gathers and reduce-scatters of one micro-batch on one stage: per
-    layer and direction two of each for a serial block, one of each for the parallel block
-    (attention and MLP share the gathered input and one reduce-scatter of their summed
-    outputs); full recomputation repeats the forward's."""
+    layer and direction, one all-gather before each column-parallel GEMM (qkv, fc) and one
+    reduce-scatter after each row-parallel GEMM (attention and MLP projections), in the serial
+    and the parallel block alike (mshpc gathers the parallel block's shared input twice);
+    full recomputation repeats the forward's."""
     m, t = cfg.model, layout.tp
-    per_layer = (2 if m.parallel_block else 4) * (3 if layout.checkpointing == "full" else 2)
+    per_layer = 4 * (3 if layout.checkpointing == "full" else 2)
     nbytes = layout.micro_batch * m.seq_len * m.d_model * dev.act_bytes
     comm = m.n_layer / layout.pp * per_layer * _collective_s(nbytes, t, (t - 1) / t, dev.intra_gbps)
-    if not getattr(cfg.parallel, "tp_overlap", False):
+    if not cfg.parallel.tp_overlap:
         return comm
-    return max(comm / TP_CHUNKS, comm - compute_s)
+    return max(comm / cfg.parallel.tp_overlap_chunks, comm - compute_s)
 
 
 def _dp_link_gbps(layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> float:
