@@ -118,6 +118,28 @@ def _add_diagnose(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_diagnose)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan", help="predict memory, step time and MFU of every parallel layout",
+        description="For every valid (dp, tp, pp, virtual stages, micro-batch, recomputation) layout "
+        "of --gpus GPUs at the config's global batch (train.micro_batch*train.grad_accum*parallel.dp): "
+        "memory per GPU, whether it fits, predicted step time and MFU, best first.",
+    )
+    _add_config_args(p)
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
+    p.add_argument("--gpu", default="h100", help="device type: a100, h100 or h200 (default h100)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--intra-bw", type=float, default=None, metavar="GB/S",
+                   help="NCCL bus bandwidth within a node (default: the device table's)")
+    p.add_argument("--inter-bw", type=float, default=None, metavar="GB/S",
+                   help="NCCL bus bandwidth across nodes per GPU (default: the device table's)")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="fraction of the bf16 peak the model's FLOPs run at (default: the table's)")
+    p.add_argument("--top", type=int, default=10, help="table rows to show (default 10)")
+    p.add_argument("--json", action="store_true", help="every layout as a JSON line, best first")
+    p.set_defaults(func=cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mshpc", description="MegaScale-style LLM training on Slurm clusters."
@@ -129,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_submit(sub)
     _add_preflight(sub)
     _add_diagnose(sub)
+    _add_plan(sub)
     return parser
 
 
@@ -263,6 +286,18 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     for line in bad:
         print(f"FAILED {line}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from mshpc.config import load_config
+    from mshpc.plan.devices import device_spec
+    from mshpc.plan.report import format_json, format_table, plan
+
+    cfg = load_config(args.config, args.set)
+    dev = device_spec(args.gpu, args.intra_bw, args.inter_bw, args.efficiency)
+    predictions = plan(cfg, args.gpus, dev, args.gpus_per_node)
+    print(format_json(predictions) if args.json else format_table(predictions, dev, args.top))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,6 +35,7 @@ from mshpc.parallel.apply import LossFn, parallelize
 from mshpc.parallel.mesh import Mesh, MeshShape, build_mesh
 from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
 from mshpc.parallel.zero import ZeroEngine
+from mshpc.plan.report import fit_warning
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
 
@@ -67,6 +68,17 @@ def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
     bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and use_cuda)
     peak = cfg.peak_tflops if cfg.peak_tflops is not None else peak_tflops(name, "bf16" if bf16 else "fp32")
     return Runtime(device=device, autocast_dtype=torch.bfloat16 if bf16 else None, peak_tflops=peak)
+
+
+def warn_if_unfit(cfg: Config, rt: Runtime) -> None:
+    """Log a warning at start-up when `mshpc plan`'s memory model says the layout will not fit
+    on this GPU. On CPU host memory is not what such a layout runs out of, so nothing is said."""
+    if rt.device.type != "cuda":
+        return
+    props = torch.cuda.get_device_properties(rt.device)
+    warning = fit_warning(cfg, props.total_memory, props.name)
+    if warning is not None:
+        log.warning(warning)
 
 
 def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
@@ -214,7 +226,10 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
         faults = bind(parse_faults(env.test_faults), info.rank, info.node, env.supervisor.attempt if env.supervisor else 0,
                       run_path(cfg), checkpoint_root(cfg, run_path(cfg)))
         with start_heartbeat(cfg, env.supervisor, info.rank, info.node) as beat:
-            return run_training(cfg, info, build_runtime(cfg.train, info), watcher, faults, beat)
+            rt = build_runtime(cfg.train, info)
+            if info.rank == 0:
+                warn_if_unfit(cfg, rt)
+            return run_training(cfg, info, rt, watcher, faults, beat)
     finally:
         watcher.close()
         shutdown_distributed()

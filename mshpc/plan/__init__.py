@@ -1,0 +1,1 @@
+"""`mshpc plan`: memory, step time and MFU of every parallel layout, from formulas."""

@@ -1,0 +1,76 @@
+"""Rank every layout of a plan and print them: a table for people, JSON lines for programs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mshpc.config import Config
+from mshpc.plan.devices import DeviceSpec
+from mshpc.plan.layout import Layout, enumerate_layouts, layout_of
+from mshpc.plan.memory import GIB, Memory, memory
+from mshpc.plan.steptime import StepTime, step_time
+
+
+@dataclass(frozen=True)
+class Prediction:
+    layout: Layout
+    memory: Memory
+    time: StepTime
+    fits: bool
+
+    def to_json(self) -> dict[str, Any]:
+        mem = {k: v / GIB for k, v in asdict(self.memory).items() if k != "stage"}
+        return {
+            **asdict(self.layout), "fits": self.fits, "memory_gib": self.memory.total / GIB,
+            "memory_breakdown_gib": mem, "fullest_stage": self.memory.stage,
+            "step_time_s": self.time.total_s, "mfu": self.time.mfu,
+            "bubble_fraction": self.time.bubble_fraction,
+            "time_breakdown_s": {k: v for k, v in asdict(self.time).items() if k != "mfu"},
+        }
+
+
+def predict(cfg: Config, layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> Prediction:
+    mem = memory(cfg.model, layout)
+    return Prediction(layout, mem, step_time(cfg, layout, dev, gpus_per_node), mem.total <= dev.memory_gib * GIB)
+
+
+def plan(cfg: Config, gpus: int, dev: DeviceSpec, gpus_per_node: int) -> list[Prediction]:
+    """Every valid layout, those that fit first, each group fastest first."""
+    predictions = [predict(cfg, lay, dev, gpus_per_node) for lay in enumerate_layouts(cfg, gpus, gpus_per_node)]
+    return sorted(predictions, key=lambda p: (not p.fits, p.time.total_s))
+
+
+def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> str:
+    head = f"{'dp':>5} {'tp':>3} {'pp':>3} {'v':>3} {'mb':>3} {'m':>5} {'recompute':>9} " \
+           f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'MFU':>6} {'bubble':>6}"
+    lines = [head]
+    for p in predictions[:top]:
+        lay = p.layout
+        lines.append(
+            f"{lay.dp:>5} {lay.tp:>3} {lay.pp:>3} {lay.virtual_stages:>3} {lay.micro_batch:>3} "
+            f"{lay.n_micro:>5} {lay.checkpointing:>9} {p.memory.total / GIB:>8.1f} "
+            f"{'yes' if p.fits else 'no':>4} {p.time.total_s:>8.3f} {p.time.mfu:>6.1%} "
+            f"{p.time.bubble_fraction:>6.1%}"
+        )
+    fitting = sum(p.fits for p in predictions)
+    lines.append(f"{len(predictions)} layouts, {fitting} fit in {dev.memory_gib:g} GiB ({dev.name}); "
+                 f"showing {min(top, len(predictions))}")
+    return "\n".join(lines)
+
+
+def format_json(predictions: list[Prediction]) -> str:
+    return "\n".join(json.dumps(p.to_json()) for p in predictions)
+
+
+def fit_warning(cfg: Config, device_memory_bytes: int, device_name: str) -> str | None:
+    """A one-line warning when the config's own layout will not fit on its device, else None.
+    Activations are counted in bf16, the GPU default (train.dtype: auto)."""
+    mem = memory(cfg.model, layout_of(cfg))
+    if mem.total <= device_memory_bytes:
+        return None
+    return (f"this layout needs about {mem.total / GIB:.1f} GiB per GPU on pipeline stage {mem.stage} "
+            f"(weights {mem.weights / GIB:.1f}, grads {mem.grads / GIB:.1f}, optimizer "
+            f"{mem.optimizer / GIB:.1f}, activations {mem.activations / GIB:.1f}) but {device_name} has "
+            f"{device_memory_bytes / GIB:.1f} GiB; `mshpc plan` lists layouts that fit")
