@@ -70,6 +70,11 @@ def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
     return Runtime(device=device, autocast_dtype=torch.bfloat16 if bf16 else None, peak_tflops=peak)
 
 
+def max_memory_gib(rt: Runtime) -> float | None:
+    """The most device memory this rank's tensors have held so far (None on CPU)."""
+    return torch.cuda.max_memory_allocated(rt.device) / 2**30 if rt.device.type == "cuda" else None
+
+
 def warn_if_unfit(cfg: Config, rt: Runtime) -> None:
     """Log a warning at start-up when `mshpc plan`'s memory model says the layout will not fit
     on this GPU. On CPU host memory is not what such a layout runs out of, so nothing is said."""
@@ -198,6 +203,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                     "step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
                     "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu, "tflops": tflops,
                     "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
+                    "max_memory_gib": max_memory_gib(rt),
                 })
             progress.update(step, losses[-1], tokens_per_s, step_mfu)
             stop = watcher.should_stop()  # collective over the world: all ranks agree
