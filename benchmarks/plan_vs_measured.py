@@ -32,6 +32,13 @@ from mshpc.plan.steptime import step_time
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/tiny.yaml"
 COMM_BYTES = 8 * 2**20
+# the layouts this machine's 2 cores can run side by side; the pipeline needs micro-batches
+LAYOUTS = {
+    "dp1": ["parallel.dp=1"],
+    "dp2": ["parallel.dp=2"],
+    "tp2": ["parallel.dp=1", "parallel.tp=2"],
+    "pp2": ["parallel.dp=1", "parallel.pp=2", "train.grad_accum=4", "train.micro_batch=2"],
+}
 
 
 def gemm_tflops(threads: int, rows: int, d_model: int, mlp_ratio: int) -> float:
@@ -104,14 +111,16 @@ def main() -> None:
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     busbw, copy = busbw_gbps(), copy_gbps()
-    for dp in (1, 2):
-        overrides = [f"parallel.dp={dp}", f"train.cpu_threads={max(1, cores // dp)}"]
+    for name, layout in LAYOUTS.items():
+        cfg = load_config(CONFIG, layout)
+        ranks = cfg.world_size
+        overrides = [*layout, f"train.cpu_threads={max(1, cores // ranks)}"]
         cfg = load_config(CONFIG, overrides)
-        dev = cpu_spec(max(1, cores // dp), cfg, busbw, copy)
+        dev = cpu_spec(max(1, cores // ranks), cfg, busbw, copy)
         predicted = step_time(cfg, layout_of(cfg), dev, gpus_per_node=cores).total_s
         measured = measured_step_s(overrides, args.steps)
         print(json.dumps({
-            "bench": "plan_vs_measured", "metric": f"step_time_predicted_vs_measured_dp{dp}",
+            "bench": "plan_vs_measured", "metric": f"step_time_predicted_vs_measured_{name}",
             "value": round(predicted, 4), "unit": "s", "baseline": round(measured, 4),
             "ratio": round(predicted / measured, 3), "gemm_tflops_per_rank": round(dev.peak_tflops, 4),
             "busbw_gbps": round(busbw, 3), "copy_gbps": round(copy, 2),
