@@ -37,6 +37,22 @@ def final_params(ckpt_root: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def kill_and_resume(tmp_path: Path, cache: Path, name: str, overrides: list[str],
+                    straight: Path) -> dict[str, np.ndarray]:
+    """Train `name` with rank 1 killed -9 at step 6 (after the step-4 save), resume it, and check
+    that its losses and final parameters are bitwise those of the undisturbed run directory
+    `straight`; returns those parameters, by name."""
+    run(tmp_path, cache, name, *overrides, "checkpoint.async_save=false", faults="kill:rank=1:step=6", expect=137)
+    out = run(tmp_path, cache, name, *overrides)
+    assert "resumed from step 4" in out.stderr
+    assert losses(tmp_path, name) == losses(straight.parent, straight.name)
+    want, got = final_params(straight / "checkpoints"), final_params(tmp_path / name / "checkpoints")
+    assert want.keys() == got.keys() and len(want) > 0
+    for key in want:
+        assert np.array_equal(want[key], got[key]), key
+    return want
+
+
 def sharded_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], n_shards: int,
                        whole: dict[str, tuple[torch.Tensor, int]] | None = None) -> Manifest:
     """Write each of `tensors` as n_shards flat slices, one shard file per slice index, like

@@ -5,7 +5,7 @@ the run that was never interrupted."""
 import numpy as np
 import pytest
 
-from ckpt_runs import final_params, losses, run
+from ckpt_runs import final_params, kill_and_resume, losses, run
 
 PP2 = ["parallel.pp=2", "train.micro_batch=4", "train.grad_accum=4"]  # 16 sequences, 4 micro-batches
 
@@ -30,11 +30,4 @@ def test_pp2_trains_like_one_rank_on_the_same_global_batch(straight, tmp_path, c
 
 
 def test_pp2_killed_and_resumed_is_bitwise_identical(straight, tmp_path, corpus_cache):
-    run(tmp_path, corpus_cache, "b", *PP2, "checkpoint.async_save=false", faults="kill:rank=1:step=6", expect=137)
-    out = run(tmp_path, corpus_cache, "b", *PP2)
-    assert "resumed from step 4" in out.stderr
-    assert losses(tmp_path, "b") == losses(straight, "pp2")
-    want, got = final_params(straight / "pp2" / "checkpoints"), final_params(tmp_path / "b" / "checkpoints")
-    assert want.keys() == got.keys() and len(want) > 0
-    for name in want:
-        assert np.array_equal(want[name], got[name]), name
+    kill_and_resume(tmp_path, corpus_cache, "b", PP2, straight / "pp2")

@@ -4,7 +4,6 @@ embeddings, no dropout."""
 
 import dataclasses
 
-import pytest
 
 from mshpc.config import load_config
 from mshpc.model.gpt import GPT
