@@ -88,6 +88,20 @@ def _recv_step(sock: socket.socket, stop: threading.Event, peer: str) -> int:
         return _STEP.unpack(msg)[0]
 
 
+def _close_cleanly(sock: socket.socket) -> None:
+    """Close so that the peer still reads what was sent to it. Linux resets the peer (ECONNRESET,
+    reported before its queued messages) when a socket closes with unread messages of its own, so
+    stop the peer's sends first, then drop what it already sent, then close."""
+    try:
+        sock.shutdown(socket.SHUT_RD)
+        sock.setblocking(False)
+        while sock.recv(_STEP.size):
+            pass
+    except OSError:
+        pass  # drained (EAGAIN), or the peer is already gone
+    sock.close()
+
+
 def _send_step(sock: socket.socket, step: int, peer: str) -> None:
     try:
         sock.send(_STEP.pack(step))
@@ -129,7 +143,7 @@ class NodeReader:
 
     def hang_up(self) -> None:
         for sock, _ in self.clients:
-            sock.close()
+            _close_cleanly(sock)  # a client behind by a step or two still gets its batches
 
     def close(self) -> None:
         self.hang_up()
@@ -158,7 +172,7 @@ class NodeClient:
         return batch
 
     def close(self) -> None:
-        self.sock.close()
+        _close_cleanly(self.sock)
         self.ring.close()
 
 
