@@ -233,7 +233,7 @@ class Supervisor:
         if self.scfg.drain:
             from mshpc.launch.drain import drain
 
-            self.event("drain", node=host, result=drain(host, verdict.reason))
+            self.event("drain", node=host, result=drain(host, f"mshpc: {verdict.reason}"))
         if replacement is not None:
             return True
         if self.requeue is not None:

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from mshpc.config import PreflightConfig
 from mshpc.faults import Fault, parse_faults
 from mshpc.launch.env import LaunchEnv
+from mshpc.launch.drain import drain
 from mshpc.launch.rendezvous import init_distributed, shutdown_distributed
 from mshpc.parallel import comm
-from mshpc.preflight import drain as slurm_drain
 from mshpc.preflight.collectives import collective_records
 from mshpc.preflight.device import Target, build_target
 from mshpc.preflight.links import link_records
@@ -81,8 +81,8 @@ def _report(result: Verdict, opts: Options, header: dict) -> None:
     if opts.exclude_path is not None:
         write_exclude(opts.exclude_path, result)
     if opts.drain and result.failed_nodes:
-        for line in slurm_drain.drain(_reasons(result)):
-            log.warning("%s", line)
+        for node, why in _reasons(result).items():
+            log.warning("%s", drain(node, f"mshpc-preflight: {why}"))
 
 
 def _reasons(result: Verdict) -> dict[str, str]:

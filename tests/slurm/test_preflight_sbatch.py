@@ -1,14 +1,12 @@
 """`mshpc preflight` on the real local Slurm: sbatch/preflight.sbatch across 2 nodes passes the
 standard suite; sbatch/train-with-preflight.sbatch leaves out the node with a wrong GEMM and
-trains on the other; --drain's scontrol calls drain with our reason and never overwrite another."""
+trains on the other."""
 
 import json
-import subprocess
 
 import pytest
 
 from cli_runner import REPO
-from mshpc.preflight.drain import REASON_PREFIX, current_reason, drain
 
 pytestmark = pytest.mark.slurm
 
@@ -51,26 +49,3 @@ def test_train_with_preflight_leaves_out_the_failing_node(slurm, corpus_cache):
     assert doc["nodes"] == {"n1": "pass", "n2": "fail"}
     assert {r["test"] for r in doc["records"] if r["status"] == "fail"} == {"gemm_rel_error"}
     assert (slurm.cwd / "runs/t/metrics.jsonl").read_text().count("\n") == 2
-
-
-def scontrol(*args: str) -> None:
-    subprocess.run(["scontrol", "update", *args], check=True, capture_output=True, timeout=30)
-
-
-def test_drain_sets_our_reason_and_never_overwrites_another(slurm_cluster):
-    node = "n3"
-    if current_reason(node) is not None:
-        pytest.skip(f"{node} has a reason set by someone else ({current_reason(node)!r}); not touching it")
-    try:
-        scontrol(f"NodeName={node}", "State=DRAIN", "Reason=other-tool: fan speed")
-        assert drain({node: "gemm_rel_error cuda:1 7.9"}) == [
-            f"not draining {node}: it has another reason already ('other-tool: fan speed')"]
-        assert current_reason(node) == "other-tool: fan speed"
-        scontrol(f"NodeName={node}", "State=RESUME")
-        assert drain({node: "gemm_rel_error cuda:1 7.9"}) == [
-            f"drained {node}: {REASON_PREFIX} gemm_rel_error cuda:1 7.9"]
-        assert current_reason(node) == f"{REASON_PREFIX} gemm_rel_error cuda:1 7.9"
-        assert drain({node: "link_gbps network 0.01"})[0].startswith(f"drained {node}")  # ours: updated
-        assert current_reason(node) == f"{REASON_PREFIX} link_gbps network 0.01"
-    finally:
-        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True, timeout=30)
