@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from two_ranks import REPO, WORKER_TIMEOUT_S, add_worker_options, run_on_links, time_steps
+from two_ranks import REPO, WORKER_TIMEOUT_S, add_link_options, main_on_links, time_steps
 
 
 # ---------------------------------------------------------------- one rank
@@ -147,20 +147,16 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     # 1 MiB: 12 buckets for this model, and at dp=2 each all-gather is one gloo message (no staging)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="for the engine and for DDP")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
-    add_worker_options(parser)
+    add_link_options(parser)
     args = parser.parse_args()
-    if args.worker is not None:
-        return worker(args)
-    results = run_on_links(__file__, "dp", args.rate_mbit, args)
-    for label, r in results.items():
-        for record in lines(label, r, args):
-            print(json.dumps(record), flush=True)
+    results = main_on_links(__file__, "dp", args, worker, lines)
+    if results is None:
+        return  # a worker
     r = next(iter(results.values()))
     print(json.dumps({"bench": "dp_overlap", "metric": "optimizer_bytes_per_rank_vs_torch_ddp",
                       "value": r["engine_optimizer_bytes"], "unit": "bytes", "baseline": r["ddp_optimizer_bytes"],

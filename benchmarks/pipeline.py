@@ -21,7 +21,7 @@ import statistics
 import time
 from datetime import timedelta
 
-from two_ranks import REPO, WORKER_TIMEOUT_S, add_worker_options, run_on_links
+from two_ranks import REPO, WORKER_TIMEOUT_S, add_link_options, main_on_links
 
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b", 2)}  # name: (schedule, v)
 
@@ -129,19 +129,13 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (m)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
-    add_worker_options(parser)
+    add_link_options(parser)
     args = parser.parse_args()
-    if args.worker is not None:
-        return worker(args)
-    results = run_on_links(__file__, "pp", args.rate_mbit, args)
-    for label, r in results.items():
-        for record in lines(label, r, args):
-            print(json.dumps(record), flush=True)
+    main_on_links(__file__, "pp", args, worker, lines)
 
 
 if __name__ == "__main__":

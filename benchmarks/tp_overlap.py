@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable
 from datetime import timedelta
 
-from two_ranks import REPO, WORKER_TIMEOUT_S, add_worker_options, run_on_links, time_steps
+from two_ranks import REPO, WORKER_TIMEOUT_S, add_link_options, main_on_links, time_steps
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -83,19 +83,14 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per step (both tp ranks)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
-    add_worker_options(parser)
+    add_link_options(parser)
     args = parser.parse_args()
-    if args.worker is not None:
-        return worker(args)
-    for label, r in run_on_links(__file__, "tp", args.rate_mbit, args).items():
-        for record in lines(label, r, args):
-            print(json.dumps(record), flush=True)
+    main_on_links(__file__, "tp", args, worker, lines)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from mshpc.launch.netns import Fabric, run_ranks, why_unavailable
 
@@ -47,8 +48,9 @@ def run_pair(script: str, link: Fabric | Loopback, addr: str, port: int, args: a
     return json.loads(done[0].stdout.strip().splitlines()[-1])
 
 
-def add_worker_options(parser: argparse.ArgumentParser) -> None:
-    """The options run_pair gives each rank, hidden from --help."""
+def add_link_options(parser: argparse.ArgumentParser) -> None:
+    """--rate-mbit, and the options run_pair gives each rank (hidden from --help)."""
+    parser.add_argument("--rate-mbit", type=float, default=1000.0, help="the limited link's rate")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--addr", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -61,6 +63,21 @@ def _options(args: argparse.Namespace) -> list[str]:
             values = value if isinstance(value, list) else [value]
             out += [f"--{key.replace('_', '-')}", *map(str, values)]
     return out
+
+
+def main_on_links(script: str, kind: str, args: argparse.Namespace,
+                  worker: Callable[[argparse.Namespace], None],
+                  lines: Callable[[str, dict, argparse.Namespace], list[dict]]) -> dict[str, dict] | None:
+    """A benchmark's main: the worker, when run_pair started this process as a rank; otherwise both
+    ranks on every link, printing each link's JSON lines. Returns rank 0's results by link."""
+    if args.worker is not None:
+        worker(args)
+        return None
+    results = run_on_links(script, kind, args.rate_mbit, args)
+    for label, r in results.items():
+        for record in lines(label, r, args):
+            print(json.dumps(record), flush=True)
+    return results
 
 
 def run_on_links(script: str, kind: str, rate_mbit: float, args: argparse.Namespace) -> dict[str, dict]:
