@@ -8,7 +8,7 @@ Detect: from the fault's own `fault_injected` event to the supervisor's `failure
 for a hang; the hang timeout configured, for a crash). Recover: from detection to the first step
 trained after the restart (baseline: the run's start-up, from launch to its first step).
 Overhead: median step time of 2 ranks with heartbeats (default 1 s, and 0.1 s) over the same
-ranks without a supervisor (no heartbeat thread), rounds interleaved.
+ranks without a supervisor (no heartbeat thread), rounds interleaved, the order rotating.
 """
 
 from __future__ import annotations
@@ -79,12 +79,16 @@ def fault_run(out: Path, cache: Path, fault: str, steps: int) -> None:
 
 
 def overhead(out: Path, cache: Path, steps: int, rounds: int) -> None:
-    times: dict[str, list[float]] = {"none": [], "1s": [], "0.1s": []}
+    runs = {
+        "none": lambda r: train(out, cache, f"off{r}", f"train.steps={steps}", supervised=False),
+        "1s": lambda r: train(out, cache, f"on{r}", f"train.steps={steps}"),
+        "0.1s": lambda r: train(out, cache, f"fast{r}", f"train.steps={steps}", "supervisor.heartbeat_interval_s=0.1"),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
     for r in range(rounds):
-        times["none"] += step_times(train(out, cache, f"off{r}", f"train.steps={steps}", supervised=False))
-        times["1s"] += step_times(train(out, cache, f"on{r}", f"train.steps={steps}"))
-        times["0.1s"] += step_times(train(out, cache, f"fast{r}", f"train.steps={steps}",
-                                          "supervisor.heartbeat_interval_s=0.1"))
+        for name in order[r % 3:] + order[:r % 3]:  # each contender takes each place in turn
+            times[name] += step_times(runs[name](r))
     base = statistics.median(times["none"])
     for interval in ("1s", "0.1s"):
         emit(f"step_time_heartbeat_{interval}_vs_none", statistics.median(times[interval]), "s", base,
