@@ -87,7 +87,7 @@ def overhead(out: Path, cache: Path, steps: int, rounds: int) -> None:
     times: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     for r in range(rounds):
-        for name in order[r % 3:] + order[:r % 3]:  # each contender takes each place in turn
+        for name in order[r % len(order):] + order[:r % len(order)]:  # each takes each place in turn
             times[name] += step_times(runs[name](r))
     base = statistics.median(times["none"])
     for interval in ("1s", "0.1s"):

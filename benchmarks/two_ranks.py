@@ -15,8 +15,8 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from mshpc.launch.netns import Fabric, run_ranks, why_unavailable
 
