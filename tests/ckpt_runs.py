@@ -54,9 +54,11 @@ def kill_and_resume(tmp_path: Path, cache: Path, name: str, overrides: list[str]
 
 
 def sharded_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], n_shards: int,
-                       whole: dict[str, tuple[torch.Tensor, int]] | None = None) -> Manifest:
+                       whole: dict[str, tuple[torch.Tensor, int]] | None = None, tp: int = 1,
+                       extras: dict | None = None) -> Manifest:
     """Write each of `tensors` as n_shards flat slices, one shard file per slice index, like
-    ZeRO ranks would; each of `whole` (name -> (tensor, shard index)) goes whole into one shard."""
+    ZeRO ranks would; each of `whole` (name -> (tensor, shard index)) goes whole into one shard.
+    `tp` and `extras` go into the manifest as they are."""
     items: list[dict[str, TensorSlice]] = [{} for _ in range(n_shards)]
     for name, full in tensors.items():
         flat = full.reshape(-1)
@@ -66,7 +68,7 @@ def sharded_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], n_shards:
     for name, (t, r) in (whole or {}).items():
         items[r][name] = TensorSlice.whole(t)
     entries = [e for r in range(n_shards) for e in write_shard(folder / f"shard-{r:05d}.h5", items[r])]
-    m = Manifest(step=3, config_hash="abc", layout={"dp": n_shards, "tp": 1, "pp": 1},
-                 tensors=tuple(entries), extras={"step": 3})
+    m = Manifest(step=3, config_hash="abc", layout={"dp": n_shards, "tp": tp, "pp": 1},
+                 tensors=tuple(entries), extras={"step": 3, **(extras or {})})
     write_manifest(folder, m)
     return m

@@ -17,10 +17,12 @@ from mshpc.checkpoint.reader import CheckpointReader, Request
 from mshpc.checkpoint.restore import candidates, resume_from
 from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
 from mshpc.checkpoint.state import apply_rng, model_slices, rng_names, rng_slices, stage_rng
+from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra
 from mshpc.config import Config, ParallelConfig, config_hash
 from mshpc.errors import CheckpointError
 from mshpc.events import append_event
 from mshpc.parallel import comm
+from mshpc.parallel.apply import tp_splits
 from mshpc.parallel.mesh import Coords, MeshShape
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.parallel.zero import ZeroEngine
@@ -61,16 +63,20 @@ class TrainCheckpointer:
                             layout={"dp": p.dp, "tp": p.tp, "pp": p.pp})
         self.saver = CheckpointSaver(target, rank, self.group, cfg.checkpoint.async_save, before_commit)
         self._restored: dict[str, int] = {}  # what the last restore's stage read and received
+        self._splits = tp_splits(engine.model)  # how tp cut the model (empty at tp=1), for resharding
 
     # ---------------------------------------------------------------- save
 
     def _extras(self, step: int) -> dict[str, Any]:
-        return {
+        extras = {
             "step": step, "world_size": self.world_size,
             "scheduler": self.scheduler.state_dict(),
             "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
             "data": self._data_position(),
         }
+        if self._splits:
+            extras[SPLITS_KEY] = splits_extra(self._splits)  # lets another tp join and re-cut the shards
+        return extras
 
     def _data_position(self) -> dict[str, int]:
         c = self.cfg
@@ -120,22 +126,18 @@ class TrainCheckpointer:
         self._report_restore(manifest.step, time.perf_counter() - start)
         return manifest.step
 
-    def _requests(self, reader: CheckpointReader, same_world: bool) -> list[Request]:
-        """What this rank needs: its own 1/dp range of the masters and optimizer state, the
-        step counter and (at the same world size) its RNG states."""
-        tp = reader.manifest.layout.get("tp", 1)
-        if tp != self.cfg.parallel.tp:
-            # tp shards are saved per tp rank (`<name>@tp<r>`), not as slices of the whole tensor
-            raise CheckpointError(f"{reader.folder} was written at parallel.tp={tp}; resume it at "
-                                  f"parallel.tp={tp} (this run has {self.cfg.parallel.tp})")
+    def _requests(self, reader: CheckpointReader, relayout: Relayout, same_world: bool) -> list[Request]:
+        """What this rank needs: its own 1/dp range of the masters and optimizer state (at
+        another tp: every saved part of those weights, `relayout`), the step counter and (at the
+        same world size) its RNG states."""
         out: list[Request] = []
         for piece in self.engine.pieces:
-            shape = reader.global_shape(f"master/{piece.key}")
+            shape = relayout.shape(reader, f"master/{piece.key}")
             if shape != piece.shape:
                 raise CheckpointError(f"{reader.folder}: master/{piece.key} has shape {shape}, "
                                       f"the model {piece.shape}")
             for prefix in ("master", *(f"optim.{k}" for k in STATE_KEYS)):
-                out.append((f"{prefix}/{piece.key}", piece.start, piece.tensor.numel()))
+                out += relayout.requests(reader, (f"{prefix}/{piece.key}", piece.start, piece.tensor.numel()))
         out.append(("optim.step", 0, 1))
         out += [reader.whole(n) for n in rng_names(reader, self.rank, same_world)]
         reader.entries_for(out)  # an unknown name fails here, before any collective
@@ -147,9 +149,11 @@ class TrainCheckpointer:
         cannot fail half-way."""
         extras = reader.manifest.extras
         same_world = extras.get("world_size") == self.world_size
-        requests, error = [], None
+        requests, error, relayout = [], None, Relayout(1, 1, 0)
         try:
-            requests = self._requests(reader, same_world)
+            relayout = Relayout.build(reader, self.cfg.parallel.tp, self.engine.mp.tp_rank, self._splits,
+                                      self.engine.mp.tied)
+            requests = self._requests(reader, relayout, same_world)
         except CheckpointError as exc:
             error = str(exc)
         load_for_group(reader, requests, self.dp_group, error)
@@ -158,7 +162,7 @@ class TrainCheckpointer:
                           "bytes_received": reader.bytes_received}
 
         def install() -> None:
-            self.engine.load_state_slices(reader.read)  # collective over dp: re-gathers the weights
+            self.engine.load_state_slices(relayout.reader(reader))  # collective over dp: re-gathers the weights
             apply_rng(rng)
             self.scheduler.load_state_dict(extras["scheduler"])
             for group, lr in zip(self.optimizer.param_groups, extras["group_lrs"]):

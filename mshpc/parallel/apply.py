@@ -24,7 +24,8 @@ from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                   chunk_bounds, vocab_parallel_cross_entropy)
+                                   vocab_parallel_cross_entropy)
+from mshpc.parallel.tp_split import COLUMNS, QKV_ROWS, ROWS, TpSplit, chunk_bounds
 from mshpc.parallel.zero import ModelParallel, ZeroEngine, build_zero_engine
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
@@ -59,14 +60,9 @@ def _part(n: int, group: dist.ProcessGroup) -> slice:
     return slice(lo, hi)
 
 
-def _rows(weight: torch.Tensor, group: dist.ProcessGroup, blocks: int = 1) -> torch.Tensor:
-    """This rank's part of each of `blocks` equal row blocks ([q; k; v] for qkv: its heads)."""
-    w = weight.detach().unflatten(0, (blocks, -1))  # (blocks, out / blocks, in)
-    return w[:, _part(w.shape[1], group)].flatten(0, 1).clone()
-
-
-def _columns(weight: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return weight.detach()[:, _part(weight.shape[1], group)].clone()
+def _local(weight: torch.Tensor, split: TpSplit, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's part of `weight` as `split` cuts it ([q; k; v] for qkv: its heads)."""
+    return split.part(weight.detach(), dist.get_rank(group), dist.get_world_size(group))
 
 
 def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfig) -> LossFn:
@@ -80,17 +76,17 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
     vocab_start = 0 if table is None else _part(table.weight.shape[0], group).start
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     if embedding is not None:
-        model.tok_embeddings = VocabParallelEmbedding(_rows(embedding.weight, group), vocab_start, group)
+        model.tok_embeddings = VocabParallelEmbedding(_local(embedding.weight, ROWS, group), vocab_start, group)
     if head is not None:
-        model.lm_head = ColumnParallelLinear(_rows(head.weight, group), group, chunks)
+        model.lm_head = ColumnParallelLinear(_local(head.weight, ROWS, group), group, chunks)
         if tied:
             model.lm_head.weight = model.tok_embeddings.weight
     for block in _blocks(model):
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(_rows(attn.qkv.weight, group, blocks=3), group, chunks)
-        attn.proj = RowParallelLinear(_columns(attn.proj.weight, group), group, chunks)
-        mlp.fc = ColumnParallelLinear(_rows(mlp.fc.weight, group), group, chunks)
-        mlp.proj = RowParallelLinear(_columns(mlp.proj.weight, group), group, chunks)
+        attn.qkv = ColumnParallelLinear(_local(attn.qkv.weight, QKV_ROWS, group), group, chunks, QKV_ROWS)
+        attn.proj = RowParallelLinear(_local(attn.proj.weight, COLUMNS, group), group, chunks)
+        mlp.fc = ColumnParallelLinear(_local(mlp.fc.weight, ROWS, group), group, chunks)
+        mlp.proj = RowParallelLinear(_local(mlp.proj.weight, COLUMNS, group), group, chunks)
     return functools.partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=group)
 
 
@@ -98,6 +94,11 @@ def tp_replicated(model: nn.Module) -> frozenset[str]:
     """Names of the parameters that tensor parallelism left whole on every tp rank (norms)."""
     owners = {id(p) for m in model.modules() if isinstance(m, TP_MODULES) for p in m.parameters()}
     return frozenset(n for n, p in model.named_parameters() if id(p) not in owners)
+
+
+def tp_splits(model: nn.Module) -> dict[str, TpSplit]:
+    """How tensor parallelism cut each parameter it split, by name (what resharding needs)."""
+    return {f"{name}.weight": m.split for name, m in model.named_modules() if isinstance(m, TP_MODULES)}
 
 
 # ---------------------------------------------------------------- activation checkpointing

@@ -25,14 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mshpc.parallel import comm
+from mshpc.parallel.tp_split import COLUMNS, ROWS, TpSplit, chunk_bounds
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]  # acts on the last dim only: rows are independent
-
-
-def chunk_bounds(length: int, chunks: int) -> list[tuple[int, int]]:
-    """[lo, hi) of each of `chunks` near-equal pieces of range(length); empty pieces dropped."""
-    cuts = [length * c // chunks for c in range(chunks + 1)]
-    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
 
 
 def _wait(work: comm.Pending | None) -> None:
@@ -162,10 +157,12 @@ class ColumnParallelLinear(nn.Module):
     """x (b, s/tp, in) -> (b, s, out/tp): all-gather along the sequence, then this rank's rows of
     the weight. Collective over `group` in forward and backward."""
 
-    def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int = 1) -> None:
+    def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int = 1,
+                 split: TpSplit = ROWS) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)  # (out/tp, in)
         self.group, self.chunks = group, chunks
+        self.split = split  # how the whole weight was cut (qkv: per block), for resharding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _GatherLinear.apply(x, self.weight, self.group, self.chunks)
@@ -174,6 +171,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """x (b, s, in/tp) -> (b, s/tp, out): this rank's columns of the weight, then the sum over
     ranks reduce-scattered along the sequence. Collective over `group` in forward and backward."""
+
+    split = COLUMNS
 
     def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int = 1) -> None:
         super().__init__()
@@ -188,6 +187,8 @@ class VocabParallelEmbedding(nn.Module):
     """Token ids (b, s), the same on every tp rank -> embeddings (b, s/tp, d). This rank holds rows
     [vocab_start, vocab_start + rows) of the table; a token outside them contributes zeros, and
     the sum over ranks is reduce-scattered along the sequence (Megatron's SP embedding)."""
+
+    split = ROWS
 
     def __init__(self, weight: torch.Tensor, vocab_start: int, group: dist.ProcessGroup) -> None:
         super().__init__()

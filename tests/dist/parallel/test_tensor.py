@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from mshpc.parallel.mesh import MeshShape, build_mesh
 from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                   chunk_bounds, vocab_parallel_cross_entropy)
+                                   vocab_parallel_cross_entropy)
 from rank_runner import run_ranks
 
 B, S, D_IN, D_OUT, VOCAB = 2, 12, 8, 6, 7  # VOCAB=7: uneven shards of 4 and 3 rows
@@ -144,11 +144,6 @@ def test_vocab_parallel_embedding_with_uneven_shards_matches_nn_embedding(tp2):
 def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp2):
     for r in tp2:
         assert r["cross_entropy"]["loss"] < 1e-6 and r["cross_entropy"]["dlogits"] < 1e-7
-
-
-def test_chunk_bounds_cover_the_range_once():
-    assert chunk_bounds(6, 4) == [(0, 1), (1, 3), (3, 4), (4, 6)]
-    assert chunk_bounds(2, 4) == [(0, 1), (1, 2)]  # more chunks than rows: empty ones dropped
 
 
 def test_bf16_autocast_computes_in_bf16_and_returns_fp32_gradients(tp2):
