@@ -1,8 +1,8 @@
 """Claim: an mshpc checkpoint costs the train loop almost nothing and persists near disk speed.
 
 One run, one state (>= 1 GiB of fp32 "parameters + Adam moments"), side by side:
-blocking time of mshpc's two-stage save vs torch.save vs torch.distributed.checkpoint (sync
-and async_save); mshpc's full persist throughput vs the disk's own sequential write bandwidth
+blocking time of mshpc's two-stage save vs torch.save (the median of `--rounds` saves each) vs
+torch.distributed.checkpoint (sync and async_save); mshpc's full persist throughput vs the disk's own sequential write bandwidth
 (dd, direct I/O, same size, same folder); restore time of each in a fresh process with none of
 its files in the page cache.
 
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,28 +79,40 @@ def dd_write_gbps(folder: Path, nbytes: int) -> float:
     return count * 2**20 / elapsed / 1e9
 
 
-def bench_mshpc(state: dict[str, torch.Tensor], root: Path) -> dict[str, float]:
+def bench_mshpc(state: dict[str, torch.Tensor], root: Path, rounds: int) -> dict[str, Any]:
     group = dist.new_group(backend="gloo")
-    target = SaveTarget(root=root, keep=2, layout={"dp": 1, "tp": 1, "pp": 1}, config_hash="bench")
+    # keep every save: pruning the oldest (freeing its blocks) is housekeeping after the commit,
+    # not persisting, and would land in the next save's persist time
+    target = SaveTarget(root=root, keep=rounds + 1, layout={"dp": 1, "tp": 1, "pp": 1}, config_hash="bench")
     saver = CheckpointSaver(target, rank=0, group=group, async_save=True)
     slices = {k: TensorSlice.whole(v) for k, v in state.items()}
     # The first save also allocates the host buffers that every later save reuses; a training
-    # run saves many times, so the steady state is the second save.
+    # run saves many times, so the steady state is the later saves.
     first_blocking = saver.save(1, slices, extras={})
     saver.wait()
-    start = time.perf_counter()
-    blocking = saver.save(2, slices, extras={})
-    saver.wait()
-    persist = time.perf_counter() - start
+    blocking, persist = [], []
+    for step in range(2, rounds + 2):
+        start = time.perf_counter()
+        blocking.append(saver.save(step, slices, extras={}))
+        saver.wait()
+        persist.append(time.perf_counter() - start)
     return {"blocking_s": blocking, "first_blocking_s": first_blocking, "persist_s": persist,
-            "path": step_dir(root, 2)}
+            "path": step_dir(root, rounds + 1)}
 
 
-def bench_torch_save(state: dict[str, torch.Tensor], folder: Path) -> dict[str, float]:
-    path = folder / "state.pt"
-    start = time.perf_counter()
-    torch.save(state, path)
-    blocking = time.perf_counter() - start
+def bench_torch_save(state: dict[str, torch.Tensor], folder: Path, rounds: int) -> dict[str, Any]:
+    """Each round writes a new file, as a job saving step after step does (overwriting one file
+    is slower on ext4: it frees the old blocks first), and starts with none of the file system's
+    pages dirty, as mshpc's saves do (O_DIRECT); the older file is deleted outside the timing."""
+    blocking, path = [], None
+    for r in range(rounds):
+        previous, path = path, folder / f"state-{r}.pt"
+        start = time.perf_counter()
+        torch.save(state, path)
+        blocking.append(time.perf_counter() - start)
+        evict(path)
+        if previous is not None:
+            previous.unlink()
     return {"blocking_s": blocking, "path": path}
 
 
@@ -152,6 +165,12 @@ def restore(kind: str, path: Path) -> float:
     return time.perf_counter() - start
 
 
+def samples_line(metric: str, ours: list[float], theirs: list[float]) -> str:
+    """Medians, with every sample beside them."""
+    return line(metric, statistics.median(ours), "s", statistics.median(theirs),
+                samples=[round(t, 3) for t in ours], baseline_samples=[round(t, 3) for t in theirs])
+
+
 def line(metric: str, value: float, unit: str, baseline: float, **extra: object) -> str:
     return json.dumps({"bench": "checkpoint", "metric": metric, "value": round(value, 4), "unit": unit,
                        "baseline": round(baseline, 4), "ratio": round(value / baseline, 4), **extra})
@@ -167,7 +186,7 @@ def restore_line(baseline: str, ours: list[tuple[float, int | None]], theirs: li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (at least)")
-    parser.add_argument("--rounds", type=int, default=3, help="restores of each kind")
+    parser.add_argument("--rounds", type=int, default=3, help="saves and restores of each kind")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/mshpc-ckpt-bench"))
     parser.add_argument("--restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -181,8 +200,8 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     try:
         disk = dd_write_gbps(args.dir, nbytes)
-        ours = bench_mshpc(state, args.dir / "mshpc")
-        plain = bench_torch_save(state, args.dir)
+        ours = bench_mshpc(state, args.dir / "mshpc", args.rounds)
+        plain = bench_torch_save(state, args.dir, args.rounds)
         ref = bench_dcp(state, args.dir / "dcp")
         del state
         restores = restore_rounds({"mshpc": ours["path"], "dcp": ref["path"], "torch": plain["path"]}, args.rounds)
@@ -190,12 +209,15 @@ def main() -> None:
         dist.destroy_process_group()
         shutil.rmtree(args.dir, ignore_errors=True)
     print(json.dumps({"bench": "checkpoint", "metric": "state_size", "value": round(nbytes / 2**30, 3), "unit": "GiB"}))
-    print(line("blocking_time_vs_torch_save", ours["blocking_s"], "s", plain["blocking_s"]))
-    print(line("first_save_blocking_time_vs_torch_save", ours["first_blocking_s"], "s", plain["blocking_s"]))
-    print(line("blocking_time_vs_dcp_sync_save", ours["blocking_s"], "s", ref["sync_s"]))
-    print(line("blocking_time_vs_dcp_async_save", ours["blocking_s"], "s", ref["async_blocking_s"]))
-    print(line("persist_throughput_vs_dd_direct_write", nbytes / ours["persist_s"] / 1e9, "GB/s", disk))
-    print(line("persist_time_vs_dcp_async_save", ours["persist_s"], "s", ref["async_persist_s"]))
+    blocking, persist = statistics.median(ours["blocking_s"]), statistics.median(ours["persist_s"])
+    print(samples_line("blocking_time_vs_torch_save", ours["blocking_s"], plain["blocking_s"]))
+    print(line("first_save_blocking_time_vs_torch_save", ours["first_blocking_s"], "s",
+               statistics.median(plain["blocking_s"])))
+    print(line("blocking_time_vs_dcp_sync_save", blocking, "s", ref["sync_s"]))
+    print(line("blocking_time_vs_dcp_async_save", blocking, "s", ref["async_blocking_s"]))
+    print(line("persist_throughput_vs_dd_direct_write", nbytes / persist / 1e9, "GB/s", disk,
+               persist_samples=[round(t, 3) for t in ours["persist_s"]]))
+    print(line("persist_time_vs_dcp_async_save", persist, "s", ref["async_persist_s"]))
     print(restore_line("dcp_load", restores["mshpc"], restores["dcp"]))
     print(restore_line("torch_load", restores["mshpc"], restores["torch"]))
 
