@@ -37,7 +37,7 @@ from mshpc.data.pipeline import build_loader
 from mshpc.data.prepare import dataset_path
 from mshpc.data.shards import TokenDataset
 from mshpc.model.gpt import GPT, loss_fn
-from mshpc.parallel.zero import build_zero_engine
+from mshpc.parallel.zero_build import build_zero_engine
 from mshpc.train import Runtime, train_step
 
 REPO = Path(__file__).resolve().parents[1]

@@ -51,7 +51,7 @@ def build_steps(model_cfg, optim_cfg, bucket_mb: float, micro_batch: int, rank: 
     from mshpc.config import ParallelConfig
     from mshpc.model.gpt import GPT, loss_fn
     from mshpc.optim.optimizer import build_optimizer
-    from mshpc.parallel.zero import build_zero_engine
+    from mshpc.parallel.zero_build import build_zero_engine
 
     def fresh() -> GPT:
         torch.manual_seed(0)

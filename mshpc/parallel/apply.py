@@ -26,7 +26,8 @@ from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    vocab_parallel_cross_entropy)
 from mshpc.parallel.tp_split import COLUMNS, QKV_ROWS, ROWS, TpSplit, chunk_bounds
-from mshpc.parallel.zero import ModelParallel, ZeroEngine, build_zero_engine
+from mshpc.parallel.zero import ModelParallel, ZeroEngine
+from mshpc.parallel.zero_build import build_zero_engine
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
 TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)

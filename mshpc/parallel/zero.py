@@ -19,7 +19,6 @@ over the model-parallel group as well, counting those parameters once.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -28,12 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mshpc.checkpoint.tensor_slice import SliceReader, TensorSlice
-from mshpc.config import OptimConfig, ParallelConfig
-from mshpc.errors import ConfigError
-from mshpc.optim.optimizer import param_groups
 from mshpc.parallel import comm
-from mshpc.parallel.buckets import BucketLayout, build_buckets
-from mshpc.parallel.sharded_optim import STATE_KEYS, build_shard_optimizer
+from mshpc.parallel.buckets import BucketLayout
+from mshpc.parallel.sharded_optim import STATE_KEYS
 
 GRAD_DTYPE = torch.float32  # gradients are accumulated and reduced in fp32 whatever the compute dtype
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
@@ -102,9 +98,9 @@ class ModelParallel:
 
 
 class ZeroEngine:
-    """Built by `build_zero_engine`. Per step, every dp rank calls backward() once per
-    micro-batch (sync=True on the last) and then step(); after step() the model's .grad are
-    zero and its parameters are landing, bucket by bucket, as the next forward needs them."""
+    """Built by `build_zero_engine` (zero_build.py). Per step, every dp rank calls backward()
+    once per micro-batch (sync=True on the last) and then step(); after step() the model's .grad
+    are zero and its parameters are landing, bucket by bucket, as the next forward needs them."""
 
     def __init__(
         self, model: nn.Module, params: list[nn.Parameter], buckets: list[Bucket],
@@ -287,142 +283,3 @@ class ZeroEngine:
 
 
 # ---------------------------------------------------------------- building
-
-
-def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # ties once
-    dtypes = sorted({str(p.dtype) for _, p in named})
-    if len(dtypes) > 1:
-        raise ConfigError(f"the ZeRO engine needs one parameter dtype; the model has {', '.join(dtypes)} "
-                          "(cast the model to one, e.g. model.float())")
-    return named
-
-
-def build_layouts(numels: list[int], tp_replicated: list[bool], tied: list[bool], bucket_numel: int,
-                  dp: int) -> list[BucketLayout]:
-    """Buckets of the parameters tp ranks split, then buckets of those every tp rank holds whole
-    (without tensor parallelism: all of them in the first kind). The second kind comes last:
-    their reduce-scatters start in bucket order, and the first layer's norm completes them. A
-    tied parameter gets a bucket of its own."""
-    layouts = []
-    for kind in (False, True):
-        indices = [i for i, rep in enumerate(tp_replicated) if rep == kind]
-        alone = frozenset(k for k, i in enumerate(indices) if tied[i])
-        for layout in build_buckets([numels[i] for i in indices], bucket_numel, dp, alone):
-            slots = tuple(dataclasses.replace(slot, index=indices[slot.index]) for slot in layout.slots)
-            layouts.append(dataclasses.replace(layout, slots=slots))
-    return layouts
-
-
-def build_bucket_buffers(
-    params: list[nn.Parameter], layouts: list[BucketLayout], rank: int, group: dist.ProcessGroup | None,
-    tp_replicated: list[bool], tied: list[bool],
-) -> list[Bucket]:
-    """Move each parameter into its bucket's flat buffer (the parameter becomes a view), make
-    every rank's parameters dp rank 0's, and cut this rank's fp32 master shard. Collective over
-    the dp group (a broadcast per bucket)."""
-    buckets = []
-    for layout in layouts:
-        p0 = params[layout.slots[0].index]
-        flat = torch.zeros(layout.numel, dtype=p0.dtype, device=p0.device)
-        grads = torch.zeros(layout.numel, dtype=GRAD_DTYPE, device=p0.device)
-        for slot in layout.slots:
-            p = params[slot.index]
-            flat[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-            p.data = flat[slot.offset:slot.offset + slot.numel].view(p.shape)
-        # DDP's rule: start from one replica's weights, whatever each rank initialised
-        comm.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-        lo = rank * layout.shard_numel
-        master = flat[lo:lo + layout.shard_numel].to(torch.float32, copy=True)
-        first = layout.slots[0].index
-        buckets.append(Bucket(layout, flat, grads, master, rank, tp_replicated[first], tied[first]))
-    return buckets
-
-
-def build_grad_views(params: list[nn.Parameter], buckets: list[Bucket]) -> list[torch.Tensor]:
-    """Each parameter's gradient inside its bucket; an fp32 parameter's .grad becomes that
-    view, so autograd accumulates straight into the bucket (DDP's gradient_as_bucket_view)."""
-    views: list[torch.Tensor] = [torch.empty(0)] * len(params)
-    for bucket in buckets:
-        for slot in bucket.layout.slots:
-            p = params[slot.index]
-            views[slot.index] = bucket.grads[slot.offset:slot.offset + slot.numel].view(p.shape)
-            if p.dtype == GRAD_DTYPE:
-                p.grad = views[slot.index]
-    return views
-
-
-def build_shard_pieces(
-    named: list[tuple[str, nn.Parameter]], buckets: list[Bucket], rank: int, mp: ModelParallel
-) -> list[ShardPiece]:
-    """This rank's part of every parameter, as views into the master shards, each with its
-    .grad a view into the reduced gradient shard, and its checkpoint key."""
-    pieces = []
-    for bucket in buckets:
-        shard_grad = bucket.shard_grad
-        for piece in bucket.layout.pieces(rank):
-            name, p = named[piece.index]
-            span = slice(piece.shard_offset, piece.shard_offset + piece.numel)
-            tensor = bucket.master[span]
-            tensor.grad = shard_grad[span]
-            saved = mp.tp_rank == 0 or not bucket.tp_replicated
-            pieces.append(ShardPiece(name, tuple(p.shape), piece.param_start, tensor, mp.checkpoint_key(name), saved))
-    return pieces
-
-
-def build_piece_groups(
-    model: nn.Module, named: list[tuple[str, nn.Parameter]], pieces: list[ShardPiece], weight_decay: float
-) -> list[dict]:
-    """The model's optimizer groups (mshpc.optim.optimizer.param_groups: which parameters
-    decay), with each parameter replaced by this rank's piece of it; empty groups are kept, so
-    that every rank has the same groups for the LR schedule."""
-    model_groups = param_groups(model, weight_decay)
-    index_of = {id(p): i for i, (_, p) in enumerate(named)}
-    name_index = {name: i for i, (name, _) in enumerate(named)}
-    group_of = {index_of[id(p)]: g for g, grp in enumerate(model_groups) for p in grp["params"]}
-    groups = [{"params": [], "owner": [], "weight_decay": grp["weight_decay"]} for grp in model_groups]
-    for piece in pieces:
-        index = name_index[piece.name]
-        groups[group_of[index]]["params"].append(piece.tensor)
-        groups[group_of[index]]["owner"].append(index)
-    return groups
-
-
-def _register_hooks(engine: ZeroEngine) -> None:
-    for i, p in enumerate(engine.params):
-        p.register_post_accumulate_grad_hook(lambda _, i=i: engine._on_grad(i))
-    index_of = {id(p): i for i, p in enumerate(engine.params)}
-    for module in engine.model.modules():
-        own = {engine.bucket_of[index_of[id(p)]] for p in module.parameters(recurse=False) if id(p) in index_of}
-        if own:
-            module.register_forward_pre_hook(lambda *_, own=tuple(sorted(own)): engine._wait_gathers(own))
-
-
-def build_zero_engine(
-    model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
-    mp: ModelParallel = ModelParallel(), fused: bool = False,
-) -> ZeroEngine:
-    """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
-    (None: the world), with the optimizer named by `optim` (its multi-tensor kernel version when
-    `fused`); `mp` says how the model is split besides. Collective over the dp group."""
-    named = _trainable(model)
-    params = [p for _, p in named]
-    rank, dp = dist.get_rank(group), dist.get_world_size(group)
-    bucket_numel = max(1, int(parallel.bucket_mb * 2**20) // GRAD_DTYPE.itemsize)  # MiB of fp32 grads
-    replicated = [mp.tp_size > 1 and name in mp.replicated for name, _ in named]
-    tied = [name in mp.tied for name, _ in named]
-    layouts = build_layouts([p.numel() for p in params], replicated, tied, bucket_numel, dp)
-    buckets = build_bucket_buffers(params, layouts, rank, group, replicated, tied)
-    bucket_of = [0] * len(params)
-    for b, layout in enumerate(layouts):
-        for slot in layout.slots:
-            bucket_of[slot.index] = b
-    grad_views = build_grad_views(params, buckets)
-    pieces = build_shard_pieces(named, buckets, rank, mp)
-    groups = build_piece_groups(model, named, pieces, optim.weight_decay)
-    tp_whole = frozenset(i for i, rep in enumerate(replicated) if rep)
-    optimizer = build_shard_optimizer(groups, len(params), optim, group, mp.tp, tp_whole, fused)
-    engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group,
-                        parallel.dp_overlap, mp)
-    _register_hooks(engine)
-    return engine

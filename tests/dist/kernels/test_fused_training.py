@@ -19,7 +19,7 @@ from mshpc.config import ModelConfig, OptimConfig, ParallelConfig
 from mshpc.kernels.dispatch import FUSED, REFERENCE, select_kernels
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel import comm
-from mshpc.parallel.zero import build_zero_engine
+from mshpc.parallel.zero_build import build_zero_engine
 from rank_runner import run_ranks
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)

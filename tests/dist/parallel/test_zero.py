@@ -15,7 +15,8 @@ import torch
 from mshpc.config import ModelConfig, OptimConfig, ParallelConfig
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel import comm
-from mshpc.parallel.zero import ZeroEngine, build_zero_engine
+from mshpc.parallel.zero import ZeroEngine
+from mshpc.parallel.zero_build import build_zero_engine
 from rank_runner import run_ranks
 from single_rank import train_single_rank
 
