@@ -13,7 +13,7 @@ resident (`resident_bytes` in the restore lines). Restores run in `--rounds` rou
 starting with another reader, so that neither side is always the first to read after the
 writes; each line reports the median and every sample.
 
-    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 3] [--dir /tmp/mshpc-ckpt-bench]
+    .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--rounds 3] [--dir /tmp/mshpc-ckpt-bench] [--device cuda]
 """
 
 from __future__ import annotations
@@ -43,11 +43,13 @@ from mshpc.checkpoint.tensor_slice import TensorSlice
 TENSOR_MB = 64  # per tensor, like one large weight matrix or its moment
 
 
-def make_state(gib: float) -> dict[str, torch.Tensor]:
-    """At least `gib` GiB: groups of (weight, exp_avg, exp_avg_sq) of TENSOR_MB each."""
+def make_state(gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """At least `gib` GiB: groups of (weight, exp_avg, exp_avg_sq) of TENSOR_MB each, on `device`
+    (on a GPU, as in training: stage 1 is then a D2H copy into pinned memory)."""
     groups = max(1, math.ceil(gib * 1024 / (3 * TENSOR_MB)))
     numel = TENSOR_MB * 2**20 // 4
-    return {f"{kind}/w{i}": torch.randn(numel) for i in range(groups) for kind in ("model", "exp_avg", "exp_avg_sq")}
+    return {f"{kind}/w{i}": torch.randn(numel, device=device)
+            for i in range(groups) for kind in ("model", "exp_avg", "exp_avg_sq")}
 
 
 def evict(path: Path) -> int | None:
@@ -129,38 +131,44 @@ def bench_dcp(state: dict[str, torch.Tensor], folder: Path) -> dict[str, float]:
             "path": folder / "sync"}
 
 
-def restore_in_fresh_process(kind: str, path: Path) -> tuple[float, int | None]:
+def restore_in_fresh_process(kind: str, path: Path, device: str) -> tuple[float, int | None]:
     """A restore happens after a restart: time it in a new process, from a cold page cache."""
     resident = evict(path)
-    out = subprocess.run([sys.executable, __file__, "--restore", kind, str(path)], check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, __file__, "--restore", kind, str(path), "--device", device],
+                         check=True, capture_output=True, text=True)
     return float(out.stdout.split()[-1]), resident
 
 
-def restore_rounds(paths: dict[str, Path], rounds: int) -> dict[str, list[tuple[float, int | None]]]:
+def restore_rounds(paths: dict[str, Path], rounds: int, device: str) -> dict[str, list[tuple[float, int | None]]]:
     """Every reader `rounds` times; round r starts with reader r (mod their number)."""
     kinds = list(paths)
     samples: dict[str, list[tuple[float, int | None]]] = {k: [] for k in kinds}
     for r in range(rounds):
         for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
-            samples[kind].append(restore_in_fresh_process(kind, paths[kind]))
+            samples[kind].append(restore_in_fresh_process(kind, paths[kind], device))
     return samples
 
 
-def restore(kind: str, path: Path) -> float:
-    """Read every tensor of the state into freshly allocated memory, as a restarted job does."""
+def restore(kind: str, path: Path, device: str) -> float:
+    """Read every tensor of the state into freshly allocated memory on `device`, as a restarted
+    job does."""
+    if device == "cuda":
+        torch.cuda.init()  # the context's start-up is no part of a restore
     start = time.perf_counter()
     if kind == "mshpc":
         reader = CheckpointReader(path, read_manifest(path))
         reader.load(reader.entries_for([reader.whole(name) for name in reader.names()]))  # as a resume does
-        state = {name: reader.read_whole(name) for name in reader.names()}
+        state = {name: reader.read_whole(name).to(device) for name in reader.names()}
         reader.close()
     elif kind == "torch":
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location=device)
     else:
         meta = dcp.FileSystemReader(str(path)).read_metadata()
-        state = {name: torch.empty(m.size, dtype=m.properties.dtype) for name, m in meta.state_dict_metadata.items()}
+        state = {name: torch.empty(m.size, dtype=m.properties.dtype, device=device)
+                 for name, m in meta.state_dict_metadata.items()}
         dcp.load(state, checkpoint_id=str(path))
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert state
     return time.perf_counter() - start
 
@@ -188,15 +196,16 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (at least)")
     parser.add_argument("--rounds", type=int, default=3, help="saves and restores of each kind")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/mshpc-ckpt-bench"))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     parser.add_argument("--restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.restore:
-        print(restore(args.restore[0], Path(args.restore[1])))
+        print(restore(args.restore[0], Path(args.restore[1]), args.device))
         return
     shutil.rmtree(args.dir, ignore_errors=True)
     args.dir.mkdir(parents=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    state = make_state(args.gib)
+    state = make_state(args.gib, args.device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     try:
         disk = dd_write_gbps(args.dir, nbytes)
@@ -204,11 +213,13 @@ def main() -> None:
         plain = bench_torch_save(state, args.dir, args.rounds)
         ref = bench_dcp(state, args.dir / "dcp")
         del state
-        restores = restore_rounds({"mshpc": ours["path"], "dcp": ref["path"], "torch": plain["path"]}, args.rounds)
+        restores = restore_rounds({"mshpc": ours["path"], "dcp": ref["path"], "torch": plain["path"]}, args.rounds,
+                                  args.device)
     finally:
         dist.destroy_process_group()
         shutil.rmtree(args.dir, ignore_errors=True)
-    print(json.dumps({"bench": "checkpoint", "metric": "state_size", "value": round(nbytes / 2**30, 3), "unit": "GiB"}))
+    print(json.dumps({"bench": "checkpoint", "metric": "state_size", "value": round(nbytes / 2**30, 3), "unit": "GiB",
+                      "device": args.device}))
     blocking, persist = statistics.median(ours["blocking_s"]), statistics.median(ours["persist_s"])
     print(samples_line("blocking_time_vs_torch_save", ours["blocking_s"], plain["blocking_s"]))
     print(line("first_save_blocking_time_vs_torch_save", ours["first_blocking_s"], "s",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU validation run, under 8 minutes on one H200 or H100: the GPU tests, the kernel
-# benchmark, a preflight `standard` pass, and a short training run of configs/gpt-1.3b.yaml
+# benchmark, the checkpoint benchmark with the state on the GPU (stage 1 a D2H copy into pinned
+# memory), a preflight `standard` pass, and a short training run of configs/gpt-1.3b.yaml
 # (bf16, ZeRO engine, fused kernels) beside the same run with every mshpc optimisation off.
 # Every result is a JSON line on stdout; logs go to stderr.
 #
@@ -39,11 +40,13 @@ if [ $DRY = 1 ]; then
   TINY=(--config configs/tiny.yaml --steps 4 --set model.n_layer=2 --set model.seq_len=64)
   stage gpu_tests $PY -m pytest tests/gpu -q -x -p no:cacheprovider
   stage kernels $PY benchmarks/kernels.py --rounds 1 --no-compile --only adamw
+  stage checkpoint $PY benchmarks/checkpoint.py --gib 0.05 --rounds 1
   stage preflight $PY -m mshpc preflight --level quick
   stage train $PY benchmarks/gpu/train_compare.py "${TINY[@]}"
 else
   stage gpu_tests $PY -m pytest tests/gpu -q -p no:cacheprovider
   stage kernels $PY benchmarks/kernels.py --rounds 5 --device cuda
+  stage checkpoint $PY benchmarks/checkpoint.py --device cuda --rounds 3
   stage preflight $PY -m mshpc preflight --level standard
   stage train $PY benchmarks/gpu/train_compare.py --steps "${MSHPC_GPU_STEPS:-20}" \
     --set train.micro_batch=4 --set train.grad_accum=1
