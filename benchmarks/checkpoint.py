@@ -1,10 +1,11 @@
 """Claim: an mshpc checkpoint costs the train loop almost nothing and persists near disk speed.
 
-One run, one state (>= 1 GiB of fp32 "parameters + Adam moments"), side by side:
-blocking time of mshpc's two-stage save vs torch.save (the median of `--rounds` saves each) vs
-torch.distributed.checkpoint (sync and async_save); mshpc's full persist throughput vs the disk's own sequential write bandwidth
-(dd, direct I/O, same size, same folder); restore time of each in a fresh process with none of
-its files in the page cache.
+One run, one state (>= 1 GiB of fp32 "parameters + Adam moments"), side by side: blocking
+time of mshpc's two-stage save vs torch.save (the median of `--rounds` saves each) vs
+torch.distributed.checkpoint (sync and async_save); mshpc's full persist throughput vs the
+disk's own sequential write bandwidth (dd, direct I/O, same size, same folder); restore time
+of each in a fresh process with none of its files in the page cache. Then, at dp=2 and dp=8, a training save's blocking time (its
+slowest rank's stage 1) with the whole weights spread over the dp ranks vs all on dp rank 0.
 
 Cold cache, the same for every reader: before each restore the files it will read are fsynced
 and evicted with POSIX_FADV_DONTNEED (no root needed, and unlike drop_caches it leaves the other
@@ -37,8 +38,11 @@ import torch.distributed.checkpoint as dcp
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.paths import step_dir
 from mshpc.checkpoint.reader import CheckpointReader
-from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
+from mshpc.checkpoint.saver import CheckpointSaver, HostSnapshot, SaveTarget
+from mshpc.checkpoint.state import model_slices
 from mshpc.checkpoint.tensor_slice import TensorSlice
+from mshpc.config import ModelConfig
+from mshpc.model.gpt import GPT
 
 TENSOR_MB = 64  # per tensor, like one large weight matrix or its moment
 
@@ -173,6 +177,34 @@ def restore(kind: str, path: Path, device: str) -> float:
     return time.perf_counter() - start
 
 
+def stage1_seconds(slices: dict[str, TensorSlice], repeats: int = 3) -> float:
+    """One rank's steady-state stage 1: the median of `repeats` copies into its host buffers,
+    after the first (which allocates them)."""
+    snapshot = HostSnapshot()
+    snapshot.take(slices)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        snapshot.take(slices)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_weights_spread(dp: int, device: str) -> dict[str, Any]:
+    """A training save at `dp`: each rank copies its 1/dp of the fp32 masters and Adam moments
+    (stand-ins of the ZeRO shards' size) plus the whole weights it saves for inference. Spread
+    (state.model_slices) vs dp rank 0 saving all of them; the save blocks the loop until its
+    slowest rank's stage 1 is done, so each side's figure is its slowest rank's. The ranks are
+    timed one after another here, as on separate hosts they would run side by side."""
+    model = GPT(ModelConfig(n_layer=8, d_model=1024, n_head=16, seq_len=128)).to(device)
+    n = sum(p.numel() for p in model.parameters())
+    zero = {f"{kind}/shard": TensorSlice(torch.randn(n // dp, device=device), (n,), 0)
+            for kind in ("master", "optim.exp_avg", "optim.exp_avg_sq")}
+    spread = [stage1_seconds({**zero, **model_slices(model, dp_rank=r, dp=dp)}) for r in range(dp)]
+    rank0 = [stage1_seconds({**zero, **(model_slices(model) if r == 0 else {})}) for r in range(dp)]
+    return {"spread": max(spread), "rank0": max(rank0), "params": n}
+
+
 def samples_line(metric: str, ours: list[float], theirs: list[float]) -> str:
     """Medians, with every sample beside them."""
     return line(metric, statistics.median(ours), "s", statistics.median(theirs),
@@ -218,6 +250,7 @@ def main() -> None:
     finally:
         dist.destroy_process_group()
         shutil.rmtree(args.dir, ignore_errors=True)
+    spreads = {dp: bench_weights_spread(dp, args.device) for dp in (2, 8)}
     print(json.dumps({"bench": "checkpoint", "metric": "state_size", "value": round(nbytes / 2**30, 3), "unit": "GiB",
                       "device": args.device}))
     blocking, persist = statistics.median(ours["blocking_s"]), statistics.median(ours["persist_s"])
@@ -229,6 +262,9 @@ def main() -> None:
     print(line("persist_throughput_vs_dd_direct_write", nbytes / persist / 1e9, "GB/s", disk,
                persist_samples=[round(t, 3) for t in ours["persist_s"]]))
     print(line("persist_time_vs_dcp_async_save", persist, "s", ref["async_persist_s"]))
+    for dp, r in spreads.items():
+        print(line(f"slowest_rank_blocking_at_dp{dp}_weights_spread_vs_on_dp_rank0", r["spread"], "s", r["rank0"],
+                   params=r["params"]))
     print(restore_line("dcp_load", restores["mshpc"], restores["dcp"]))
     print(restore_line("torch_load", restores["mshpc"], restores["torch"]))
 

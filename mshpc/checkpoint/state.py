@@ -1,7 +1,8 @@
 """What of the train state goes into a checkpoint besides the ZeRO engine's own slices.
 
-Names: `model/<param>` (the dp-replicated weights, whole, written by dp rank 0; under tensor
-parallelism a tp shard is `model/<param>@tp<r>`, a tp-replicated weight comes from tp rank 0),
+Names: `model/<param>` (the dp-replicated weights, each whole in one dp rank's shard, spread
+over the dp ranks by bytes; under tensor parallelism a tp shard is `model/<param>@tp<r>`, a
+tp-replicated weight comes from tp rank 0),
 `rng/cpu/rank-<r>` and `rng/cuda/rank-<r>` (each rank's generator). The engine adds
 `master/<param>`, `optim.<key>/<param>` (flat shards) and `optim.step`. JSON-only state
 (step, scheduler, data position) travels in the manifest's extras.
@@ -17,10 +18,27 @@ from mshpc.checkpoint.tensor_slice import TensorSlice
 from mshpc.parallel.zero import ModelParallel
 
 
-def model_slices(model: nn.Module, mp: ModelParallel = ModelParallel()) -> dict[str, TensorSlice]:
-    """This rank's weights, named as `mp` names them; a tp-replicated one from tp rank 0 only."""
-    return {f"model/{mp.checkpoint_key(n)}": TensorSlice.whole(p.detach()) for n, p in model.named_parameters()
-            if mp.tp_rank == 0 or n not in mp.replicated}
+def spread(sizes: list[int], ranks: int) -> list[int]:
+    """An owner rank for each size: largest first, each to the rank with the fewest bytes so far
+    (ties to the lowest rank). The same on every rank, since it is a function of its arguments."""
+    load, owners = [0] * ranks, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owners[i]] += sizes[i]
+    return owners
+
+
+def model_slices(model: nn.Module, mp: ModelParallel = ModelParallel(), dp_rank: int = 0,
+                 dp: int = 1) -> dict[str, TensorSlice]:
+    """This dp rank's share of the weights, named as `mp` names them (a tp-replicated one from tp
+    rank 0 only). Each weight is whole in one dp rank's shard, so it opens in plain h5py, and the
+    dp ranks share the copying and writing. Had one rank saved them all, its stage 1 would set
+    the save's blocking time: 1 + dp/3 times another rank's with fp32 weights (each rank copies
+    12 bytes of masters and moments per weight / dp), 1 + dp/6 with bf16 weights."""
+    named = [(n, p) for n, p in model.named_parameters() if mp.tp_rank == 0 or n not in mp.replicated]
+    owners = spread([p.numel() * p.element_size() for _, p in named], dp)
+    return {f"model/{mp.checkpoint_key(n)}": TensorSlice.whole(p.detach())
+            for (n, p), owner in zip(named, owners) if owner == dp_rank}
 
 
 def rng_slices(rank: int) -> dict[str, TensorSlice]:

@@ -94,10 +94,10 @@ class TrainCheckpointer:
         """Save now, after `step` optimizer steps; return the seconds the loop was blocked."""
         self.engine.wait_params()  # the weights of this step, not half-gathered ones
         slices = {**rng_slices(self.rank), **self.engine.state_slices()}
-        if self.engine.rank == 0:
-            # The dp-replicated weights (dp rank 0's: each tp rank its own shards), for inference
-            # and inspection; resume rebuilds them from the fp32 masters, so they are never read back.
-            slices.update(model_slices(self.engine.model, self.engine.mp))
+        # The dp-replicated weights (each tp rank its own shards), for inference and inspection,
+        # spread over the dp ranks; resume rebuilds them from the fp32 masters, so they are never
+        # read back.
+        slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, self.cfg.parallel.dp))
         return self.saver.save(step, slices, self._extras(step))
 
     def close(self) -> None:

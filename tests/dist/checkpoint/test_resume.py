@@ -77,8 +77,11 @@ def test_ckpt_tools_on_a_real_run(straight):
     assert verify.returncode == 0 and verify.stdout.count(": OK") == 2
     if shutil.which("h5ls") is None:
         pytest.skip("h5ls is not installed (Debian's hdf5-tools; make test installs it as root)")
-    h5ls = subprocess.run(["h5ls", "-r", str(root / "latest" / "shard-00000.h5")], capture_output=True, text=True)
-    assert "/model/layers.0.attn.qkv.weight Dataset" in h5ls.stdout
+    listings = [subprocess.run(["h5ls", "-r", str(root / "latest" / f"shard-0000{r}.h5")], capture_output=True,
+                               text=True, check=True).stdout for r in range(2)]
+    # each weight whole in one dp rank's shard, both ranks holding some (state.spread)
+    assert sum("/model/layers.0.attn.qkv.weight Dataset" in out for out in listings) == 1
+    assert all("/model/" in out for out in listings)
 
 
 def test_single_rank_kill_and_resume_is_bitwise_identical(tmp_path, corpus_cache):
