@@ -4,8 +4,9 @@ One run, one state (>= 1 GiB of fp32 "parameters + Adam moments"), side by side:
 time of mshpc's two-stage save vs torch.save (the median of `--rounds` saves each) vs
 torch.distributed.checkpoint (sync and async_save); mshpc's full persist throughput vs the
 disk's own sequential write bandwidth (dd, direct I/O, same size, same folder); restore time
-of each in a fresh process with none of its files in the page cache. Then, at dp=2 and dp=8, a training save's blocking time (its
-slowest rank's stage 1) with the whole weights spread over the dp ranks vs all on dp rank 0.
+of each in a fresh process with none of its files in the page cache. Then, at dp=2 and dp=8,
+a training save's blocking time (its slowest rank's stage 1) with the whole weights spread over
+the dp ranks vs all on dp rank 0.
 
 Cold cache, the same for every reader: before each restore the files it will read are fsynced
 and evicted with POSIX_FADV_DONTNEED (no root needed, and unlike drop_caches it leaves the other

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from mshpc.checkpoint.group_read import load_for_group
 from mshpc.checkpoint.paths import remove_stale_tmp
 from mshpc.checkpoint.reader import CheckpointReader, Request
+from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra
 from mshpc.checkpoint.restore import candidates, resume_from
 from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
 from mshpc.checkpoint.state import apply_rng, model_slices, rng_names, rng_slices, stage_rng
-from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra
 from mshpc.config import Config, ParallelConfig, config_hash
 from mshpc.errors import CheckpointError
 from mshpc.events import append_event
@@ -162,7 +162,7 @@ class TrainCheckpointer:
                           "bytes_received": reader.bytes_received}
 
         def install() -> None:
-            self.engine.load_state_slices(relayout.reader(reader))  # collective over dp: re-gathers the weights
+            self.engine.load_state_slices(relayout.reader(reader))  # collective over dp: re-gathers weights
             apply_rng(rng)
             self.scheduler.load_state_dict(extras["scheduler"])
             for group, lr in zip(self.optimizer.param_groups, extras["group_lrs"]):

@@ -25,8 +25,8 @@ def _reader(folder, tensors, tp, extras=None):
 
 
 def _tp2_checkpoint(folder):
-    tensors = {f"master/{n}@tp{r}": split.part(w, r, 2) for n, w, split in [("qkv", QKV, QKV_ROWS), ("proj", PROJ, COLUMNS)]
-               for r in range(2)}
+    cut = [("qkv", QKV, QKV_ROWS), ("proj", PROJ, COLUMNS)]
+    tensors = {f"master/{n}@tp{r}": split.part(w, r, 2) for n, w, split in cut for r in range(2)}
     return _reader(folder, {**tensors, "master/norm": NORM}, tp=2, extras={SPLITS_KEY: splits_extra(SPLITS)})
 
 
