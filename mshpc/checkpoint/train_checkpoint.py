@@ -63,7 +63,10 @@ class TrainCheckpointer:
                             layout={"dp": p.dp, "tp": p.tp, "pp": p.pp})
         self.saver = CheckpointSaver(target, rank, self.group, cfg.checkpoint.async_save, before_commit)
         self._restored: dict[str, int] = {}  # what the last restore's stage read and received
-        self._splits = tp_splits(engine.model)  # how tp cut the model (empty at tp=1), for resharding
+        self._splits = tp_splits(engine.model)  # how tp cut this stage (empty at tp=1), for resharding
+        # every stage's rules go into the manifest, which rank 0 writes from a stage of its own
+        self._all_splits = {n: rule for rank in comm.all_gather_json(splits_extra(self._splits), group=self.group)
+                            for n, rule in rank.items()}
 
     # ---------------------------------------------------------------- save
 
@@ -74,8 +77,8 @@ class TrainCheckpointer:
             "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
             "data": self._data_position(),
         }
-        if self._splits:
-            extras[SPLITS_KEY] = splits_extra(self._splits)  # lets another tp join and re-cut the shards
+        if self._all_splits:
+            extras[SPLITS_KEY] = dict(sorted(self._all_splits.items()))  # another tp joins and re-cuts by them
         return extras
 
     def _data_position(self) -> dict[str, int]:

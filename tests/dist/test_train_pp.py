@@ -63,3 +63,15 @@ def test_one_rank_checkpoint_resumes_at_pp2(straight, one_rank, tmp_path, corpus
     got = final_params(tmp_path / "pp2" / "checkpoints")
     _assert_close(got, final_params(straight / "pp2" / "checkpoints"))
     assert np.array_equal(got["lm_head.weight"], got["tok_embeddings.weight"])
+
+
+def test_tp2_pp2_checkpoint_resumes_on_one_rank(one_rank, tmp_path, corpus_cache):
+    # 4 ranks; each stage's tp split rules reach the manifest rank 0 writes, so the layers of
+    # the stage rank 0 does not hold are joined too
+    run(tmp_path, corpus_cache, "tp2pp2", *PP2, "parallel.tp=2", nproc=4)
+    assert losses(tmp_path, "tp2pp2") == pytest.approx(losses(one_rank, "one"), rel=1e-5)
+    step4 = tmp_path / "tp2pp2" / "checkpoints" / "step-0000004"
+    out = run(tmp_path, corpus_cache, "one", *ONE, f"train.resume={step4}", nproc=1)
+    assert "resumed from step 4" in out.stderr
+    assert losses(tmp_path, "one") == pytest.approx(losses(one_rank, "one")[4:], rel=1e-5)
+    _assert_close(final_params(tmp_path / "one" / "checkpoints"), final_params(one_rank / "one" / "checkpoints"))
