@@ -77,6 +77,17 @@ class Slurm:
         return self.wait_until(f"job {job_id} to end",
                                lambda: (i := self.info(job_id)).get("JobState") in ended and i, timeout_s)
 
+    def wait_nodes_free(self, timeout_s: float = 120) -> None:
+        """Until no node is allocated or completing: a job the previous test waited for may still
+        be finishing on its node (a run's FINISHED file comes before Slurm's epilog), and a test
+        that checks which nodes it got needs them all to choose from."""
+        busy = ("alloc", "mix", "comp")
+
+        def free() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True, timeout=30)
+            return out.returncode == 0 and not any(state.startswith(busy) for state in out.stdout.split())
+        self.wait_until("every node free", free, timeout_s)
+
     def batch_log(self, job_id: str, name: str = "mshpc-train") -> str:
         return (self.cwd / f"{name}-{job_id}.out").read_text()
 
@@ -93,6 +104,7 @@ class Slurm:
 @pytest.fixture
 def slurm(slurm_cluster, tmp_path) -> Slurm:
     s = Slurm(tmp_path)
+    s.wait_nodes_free()
     yield s
     s.cancel_leftovers()  # a failed test leaves no job behind to load the shared cluster
 
@@ -102,6 +114,7 @@ def slurm(slurm_cluster, tmp_path) -> Slurm:
 def two_node_run(slurm_cluster, tmp_path_factory, corpus_cache):
     """One 2 nodes x 1 task job of sbatch/train.sbatch (srun, 8 steps), read by several tests."""
     slurm = Slurm(tmp_path_factory.mktemp("srun"))
+    slurm.wait_nodes_free()
     sets = slurm.train_sets(corpus_cache, "train.steps=8", "checkpoint.interval_steps=4")
     job = slurm.sbatch(str(REPO / "sbatch/train.sbatch"), str(REPO / "configs/tiny.yaml"), *sets)
     yield slurm, job, slurm.wait_done(job)
