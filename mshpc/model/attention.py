@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -11,11 +12,6 @@ from torch import nn
 
 from mshpc.config import ModelConfig
 from mshpc.kernels.dispatch import select_kernels
-
-try:  # FlashAttention's local window through a public API (torch 2.13 has it; older ones may not)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
 
 log = logging.getLogger(__name__)
 
@@ -56,14 +52,26 @@ def document_mask(segments: torch.Tensor, window: int | None) -> torch.Tensor:
     return (same_doc & sliding_window_mask(s, window, segments.device)).unsqueeze(1)
 
 
+@functools.cache
+def _varlen_attn() -> Callable[..., torch.Tensor] | None:
+    """FlashAttention's local window through a public API (torch 2.13 has it; older ones may
+    not), or None. Imported on first use, on CUDA only: the module pulls in torch._dynamo, which
+    adds ~2 s to the start of every rank."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
 def flash_window_supported(q: torch.Tensor, dropout_p: float) -> tuple[bool, str]:
     """Whether FlashAttention's own sliding window (torch.nn.attention.varlen.varlen_attn with
     window_size) can take q (b, s, nh, hd), and why not: it is CUDA-only, for fp16/bf16, head
     dims up to 256, and has no dropout."""
-    if varlen_attn is None:
-        return False, f"torch {torch.__version__} has no torch.nn.attention.varlen"
     if not q.is_cuda:
         return False, "not on CUDA"
+    if _varlen_attn() is None:
+        return False, f"torch {torch.__version__} has no torch.nn.attention.varlen"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return False, f"{q.dtype} (flash takes float16/bfloat16)"
     if dropout_p > 0:
@@ -85,7 +93,7 @@ def flash_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     # each sequence of the batch is one variable-length segment of the packed (b * s) tokens
     cu_seq = torch.arange(0, (b + 1) * s, s, device=q.device, dtype=torch.int32)
     packed = [t.reshape(b * s, nh, hd) for t in (q, k, v)]
-    y = varlen_attn(*packed, cu_seq, cu_seq, s, s, window_size=(window - 1, 0))  # (b * s, nh, hd)
+    y = _varlen_attn()(*packed, cu_seq, cu_seq, s, s, window_size=(window - 1, 0))  # (b * s, nh, hd)
     return y.view(b, s, nh, hd)
 
 
