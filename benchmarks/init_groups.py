@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mshpc.launch.rendezvous import free_port  # noqa: E402  (no torch import at module level)
+from mshpc.launch.ports import free_port  # noqa: E402  (no torch import at module level)
 
 CONTENDERS = ("mshpc", "plain", "plain_with_barriers")
 TIMEOUT_S = 600

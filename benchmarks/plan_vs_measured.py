@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from mshpc.config import load_config
-from mshpc.launch.rendezvous import free_port
+from mshpc.launch.ports import free_port
 from mshpc.parallel import comm
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import layout_of

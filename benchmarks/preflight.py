@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from mshpc.launch.netns import run_ranks
-from mshpc.launch.rendezvous import free_port
+from mshpc.launch.ports import free_port
 from mshpc.preflight.tiers import TIERS
 
 REPO = Path(__file__).resolve().parents[1]

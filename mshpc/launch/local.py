@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mshpc.launch.rendezvous import free_port
+from mshpc.launch.ports import free_port
 
 STOP_GRACE_S = 5.0  # SIGTERM first, so ranks can flush logs; SIGKILL after this
 TAIL_LINES = 20

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from mshpc.errors import LaunchError
 from mshpc.launch.env import LaunchEnv, check_world
+from mshpc.launch.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +41,6 @@ class DistInfo:
     node: str
     backend: str
     launcher: str
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def pick_backend() -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from cli_runner import REPO, mshpc
 from mshpc.launch.netns import Fabric, run_ranks, why_unavailable
-from mshpc.launch.rendezvous import free_port
+from mshpc.launch.ports import free_port
 
 THRESHOLDS = REPO / "tests/preflight_thresholds.yaml"
 SHARED = ["--set", f"preflight.thresholds={THRESHOLDS}"]
