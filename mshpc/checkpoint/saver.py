@@ -91,6 +91,7 @@ def _host_buffer(t: torch.Tensor) -> torch.Tensor:
     memory.madvise(mmap.MADV_DONTFORK)
     return torch.frombuffer(memory, dtype=t.dtype, count=t.numel()).view(t.shape)
 
+
 def _shard_name(rank: int) -> str:
     return f"shard-{rank:05d}.h5"
 

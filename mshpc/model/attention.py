@@ -55,8 +55,8 @@ def document_mask(segments: torch.Tensor, window: int | None) -> torch.Tensor:
 @functools.cache
 def _varlen_attn() -> Callable[..., torch.Tensor] | None:
     """FlashAttention's local window through a public API (torch 2.13 has it; older ones may
-    not), or None. Imported on first use, on CUDA only: the module pulls in torch._dynamo, which
-    adds ~2 s to the start of every rank."""
+    not), or None. Imported on first use, on CUDA only: the module pulls in torch._dynamo
+    (~2 s), which a process that only builds or inspects a model (a tool, a test) need not pay."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
