@@ -88,7 +88,8 @@ def _host_buffer(t: torch.Tensor) -> torch.Tensor:
     memory = mmap.mmap(-1, nbytes, flags=_MAP_FLAGS)
     # A forked child (a data worker) never needs these pages; without this, each of them would
     # be copy-on-write, and the next stage 1 would fault on every page it writes.
-    memory.madvise(mmap.MADV_DONTFORK)
+    if hasattr(mmap, "MADV_DONTFORK"):  # Linux only, like MAP_POPULATE
+        memory.madvise(mmap.MADV_DONTFORK)
     return torch.frombuffer(memory, dtype=t.dtype, count=t.numel()).view(t.shape)
 
 
