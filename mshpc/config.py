@@ -101,7 +101,7 @@ class CheckpointConfig:
     interval_steps: int = _min(0, 0)  # save every N steps (and at the end); 0 turns saving off
     keep: int = _min(1, 3)  # committed checkpoints kept; older ones go after a new commit
     dir: str | None = None  # None: <run dir>/checkpoints
-    async_save: bool = True  # stage 2 (the write) in the background, overlapping training
+    async_save: bool = True  # copy beside the next forward/backward, write in the background
 
 
 @dataclass(frozen=True)

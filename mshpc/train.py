@@ -188,11 +188,12 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             beat.phase("step", step)
             inject(faults, info.rank, step)
             loss, grad_norm = step_fn(batch)
+            stage1_wait_s = ckpt.pop_stage1_wait()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(loss.item())
             beat.phase("checkpoint", step, losses[-1])  # raises LossDiverged before a NaN is saved
-            with phase("checkpoint"):  # stage 1; stage 2 overlaps the next steps
+            with phase("checkpoint"):  # stage 1 overlaps the next forward and backward, stage 2 the next steps
                 blocking_s = ckpt.maybe_save(step + 1)
             step_time_s = time.perf_counter() - start
             tokens_per_s = tokens_per_step / step_time_s
@@ -203,6 +204,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                     "step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
                     "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu, "tflops": tflops,
                     "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
+                    "ckpt_stage1_wait_s": stage1_wait_s,
                     "max_memory_gib": max_memory_gib(rt),
                 })
             progress.update(step, losses[-1], tokens_per_s, step_mfu)

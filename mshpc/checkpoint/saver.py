@@ -1,6 +1,11 @@
-"""Two-stage checkpoint save (MegaScale Sec. 4.3): stage 1 copies the state to host memory
-and returns to the train loop; stage 2 writes the shards, then rank 0 commits, in a
-background thread that overlaps the next steps. One save is in flight at a time.
+"""Two-stage checkpoint save (MegaScale Sec. 4.3): stage 1 copies the state to host memory;
+stage 2 writes the shards, then rank 0 commits, in a background thread that overlaps the next
+steps. One save is in flight at a time.
+
+With async saves stage 1 overlaps too: it copies beside the next step's forward and backward
+(a side stream's DMA on GPU, a thread on CPU), which only read the state, and the train loop
+calls `release()` before its next update writes it. The loop then waits only for whatever of
+the copy the forward and backward did not hide.
 """
 
 from __future__ import annotations
@@ -50,21 +55,81 @@ class HostSnapshot:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def _buffer(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def copy(self, name: str, piece: TensorSlice) -> TensorSlice:
+        """`piece` copied into its host buffer (from a GPU: queued on the current stream)."""
+        t = piece.tensor.detach()
         buf = self._buffers.get(name)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = self._buffers[name] = _host_buffer(t)
-        return buf
+        return dataclasses.replace(piece, tensor=_copy_into(buf, t))
 
     def take(self, slices: dict[str, TensorSlice]) -> dict[str, TensorSlice]:
-        out, on_gpu = {}, False
-        for name, piece in slices.items():
-            t = piece.tensor.detach()
-            on_gpu = on_gpu or t.is_cuda
-            out[name] = dataclasses.replace(piece, tensor=_copy_into(self._buffer(name, t), t))
-        if on_gpu:
-            torch.cuda.current_stream().synchronize()  # the copies must land before we return
+        """Copy now; return when every copy has landed."""
+        out = {name: self.copy(name, piece) for name, piece in slices.items()}
+        if any(piece.tensor.is_cuda for piece in slices.values()):
+            torch.cuda.current_stream().synchronize()
         return out
+
+    def start(self, slices: dict[str, TensorSlice]) -> Stage1:
+        """Start the copies and return at once."""
+        return Stage1(self, slices)
+
+
+class Stage1:
+    """Stage 1 in flight. GPU sources copy on a side stream, ordered after the work that made
+    them; CPU sources in a thread (memmove releases the GIL), which also allocates their buffers
+    on the first save. The owner of the state calls `release` before writing it again; stage 2
+    calls `wait` for the host copies."""
+
+    def __init__(self, snapshot: HostSnapshot, slices: dict[str, TensorSlice]) -> None:
+        self._names = list(slices)
+        self._host: dict[str, TensorSlice] = {}
+        self._error: BaseException | None = None
+        gpu = {name: piece for name, piece in slices.items() if piece.tensor.is_cuda}
+        self._done = self._copy_on_side_stream(snapshot, gpu) if gpu else None
+        cpu = {name: piece for name, piece in slices.items() if not piece.tensor.is_cuda}
+        self._thread = threading.Thread(target=self._copy, args=(snapshot, cpu), name="mshpc-ckpt-stage1",
+                                        daemon=True)
+        self._thread.start()
+
+    def _copy_on_side_stream(self, snapshot: HostSnapshot, slices: dict[str, TensorSlice]) -> torch.cuda.Event:
+        """DMA copies on a stream of their own, after what the current stream has queued (the
+        step that made the state); returns the event that marks their end."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for name, piece in slices.items():
+                self._host[name] = snapshot.copy(name, piece)
+                piece.tensor.record_stream(stream)  # the allocator keeps its memory until the copy is done
+        return stream.record_event()
+
+    def _copy(self, snapshot: HostSnapshot, slices: dict[str, TensorSlice]) -> None:
+        try:
+            for name, piece in slices.items():
+                self._host[name] = snapshot.copy(name, piece)
+        except BaseException as exc:  # raised by release() and wait()
+            self._error = exc
+
+    def release(self) -> float:
+        """Before the state is next written: the caller's stream waits for the GPU copies (on the
+        device, not here), this thread for the CPU ones. Returns the seconds it waited."""
+        start = time.perf_counter()
+        if self._done is not None:
+            torch.cuda.current_stream().wait_event(self._done)
+        self._join()
+        return time.perf_counter() - start
+
+    def wait(self) -> dict[str, TensorSlice]:
+        """The host copies, in the order the slices came, once every one has landed."""
+        if self._done is not None:
+            self._done.synchronize()
+        self._join()
+        return {name: self._host[name] for name in self._names}
+
+    def _join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(f"checkpoint stage 1 (copy to host memory) failed: {self._error}")
 
 
 def _copy_into(host: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -109,28 +174,38 @@ class CheckpointSaver:
         self.async_save = async_save
         self.before_commit = before_commit  # a test hook: fault injection between write and commit
         self._snapshot = HostSnapshot()
+        self._stage1: Stage1 | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     def save(self, step: int, slices: dict[str, TensorSlice], extras: dict[str, Any]) -> float:
-        """Every rank calls this at the same step; returns the seconds the caller was blocked."""
+        """Every rank calls this at the same step; returns the seconds the caller was blocked.
+        Async: the slices' tensors may be read until `release()`, which the caller must call
+        before writing them again."""
         start = time.perf_counter()
         self.wait()
-        host = self._snapshot.take(slices)
         if self.async_save:
-            self._thread = threading.Thread(target=self._persist, args=(step, host, extras),
+            self._stage1 = self._snapshot.start(slices)
+            self._thread = threading.Thread(target=self._persist, args=(step, self._stage1, extras),
                                             name=f"mshpc-ckpt-{step}", daemon=True)
             self._thread.start()
         else:
-            self._persist(step, host, extras)
+            self._persist(step, self._snapshot.take(slices), extras)
             self._raise_pending()
         return time.perf_counter() - start
+
+    def release(self) -> float:
+        """Before the state the last save() was given is written again: wait for its stage 1
+        (see Stage1.release); returns the seconds waited, 0 when none is in flight."""
+        stage1, self._stage1 = self._stage1, None
+        return stage1.release() if stage1 is not None else 0.0
 
     def wait(self) -> None:
         """Block until the save in flight, if any, has committed; raise if it failed."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join()  # its stage 1 ended before its writes began
             self._thread = None
+        self._stage1 = None
         self._raise_pending()
 
     def _raise_pending(self) -> None:
@@ -138,9 +213,9 @@ class CheckpointSaver:
             error, self._error = self._error, None
             raise error
 
-    def _persist(self, step: int, host: dict[str, TensorSlice], extras: dict[str, Any]) -> None:
+    def _persist(self, step: int, host: Stage1 | dict[str, TensorSlice], extras: dict[str, Any]) -> None:
         try:
-            entries = self._write(step, host)
+            entries = self._write(step, host.wait() if isinstance(host, Stage1) else host)
             self.before_commit(step)
             error = self._commit(step, entries, extras) if self.rank == 0 else None
             # Rank 0's commit outcome reaches every rank, so none goes on believing in a save

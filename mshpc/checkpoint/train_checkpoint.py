@@ -63,6 +63,7 @@ class TrainCheckpointer:
                             layout={"dp": p.dp, "tp": p.tp, "pp": p.pp})
         self.saver = CheckpointSaver(target, rank, self.group, cfg.checkpoint.async_save, before_commit)
         self._restored: dict[str, int] = {}  # what the last restore's stage read and received
+        self._stage1_wait_s: float | None = None  # how long the last update waited for a save's stage 1
         self._splits = tp_splits(engine.model)  # how tp cut this stage (empty at tp=1), for resharding
         # every stage's rules go into the manifest, which rank 0 writes from a stage of its own
         self._all_splits = {n: rule for rank in comm.all_gather_json(splits_extra(self._splits), group=self.group)
@@ -101,7 +102,20 @@ class TrainCheckpointer:
         # spread over the dp ranks; resume rebuilds them from the fp32 masters, so they are never
         # read back.
         slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, self.cfg.parallel.dp))
-        return self.saver.save(step, slices, self._extras(step))
+        blocking = self.saver.save(step, slices, self._extras(step))
+        if self.cfg.checkpoint.async_save:  # stage 1 overlaps the next forward and backward
+            self.engine.before_next_update(self._release)
+        return blocking
+
+    def _release(self) -> None:
+        self._stage1_wait_s = self.saver.release()
+
+    def pop_stage1_wait(self) -> float | None:
+        """Seconds the last update waited for the previous save's stage 1 to finish copying (the
+        part of a save's cost that its blocking time does not show); None if it waited for none.
+        Reading it clears it."""
+        wait, self._stage1_wait_s = self._stage1_wait_s, None
+        return wait
 
     def close(self) -> None:
         """Wait for the save in flight; raises if it failed."""

@@ -20,6 +20,7 @@ over the model-parallel group as well, counting those parameters once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -125,6 +126,7 @@ class ZeroEngine:
         self._reducing: list[comm.Pending | None] = []
         self._gathering: dict[int, tuple[comm.Pending | None, torch.Tensor]] = {}
         self._sync = False
+        self._before_update: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------ the step
 
@@ -164,6 +166,7 @@ class ZeroEngine:
             torch._foreach_div_(shards, float(self.dp))  # sum -> mean over the global batch
         norm = self._clip(shards, max_norm)
         self.wait_params()  # a bucket no forward used may still be gathering from its master
+        self._settle()
         self.optimizer.step()
         self._start_gathers()
         if not self.overlap:
@@ -175,6 +178,17 @@ class ZeroEngine:
         """Block until every bucket's all-gather has landed in the model's parameters (local:
         the collectives were started by step()); forward pre-hooks do this bucket by bucket."""
         self._wait_gathers(tuple(self._gathering))
+
+    def before_next_update(self, fn: Callable[[], None]) -> None:
+        """Run `fn` once, before the state is next written: the optimizer's step (masters,
+        moments, step counter and, through the all-gathers, the weights) or a load. A checkpoint
+        whose stage 1 still reads the state finishes it there."""
+        self._before_update.append(fn)
+
+    def _settle(self) -> None:
+        hooks, self._before_update = self._before_update, []
+        for fn in hooks:
+            fn()
 
     def optimizer_state_bytes(self) -> int:
         """Bytes this rank keeps for the optimizer: fp32 master shards plus optimizer state."""
@@ -188,7 +202,7 @@ class ZeroEngine:
         """This rank's fp32 masters and optimizer state as slices of the whole parameters
         (`master/<key>`, `optim.<state>/<key>`, keys as in ShardPiece), plus `optim.step` from the
         first rank of the dp and model-parallel groups only; no slice is held by two ranks. Views
-        into live state: copy before the next step."""
+        into live state: copy them before the next update (see before_next_update)."""
         out = {}
         for piece in self.pieces:
             if not piece.saved:
@@ -208,6 +222,7 @@ class ZeroEngine:
         (any dp may have written them), then refresh the model's parameters from the masters.
         Collective over the dp group (an all-gather)."""
         self.wait_params()
+        self._settle()
         step = read("optim.step", 0, 1).reshape(()).to("cpu", torch.float32)
         for piece in self.pieces:
             numel = piece.tensor.numel()

@@ -1,5 +1,6 @@
 """Stage 1 on a GPU: the state lands in pinned host buffers (a DMA), reused from one save to the
-next, and a saved CUDA state restores bit for bit. Skips without a GPU."""
+next; started on a side stream, the copies come before any update queued after `release`; a
+saved CUDA state restores bit for bit. Skips without a GPU."""
 
 import pytest
 import torch
@@ -25,6 +26,18 @@ def test_snapshot_copies_into_reused_pinned_buffers():
     second = snapshot.take({k: TensorSlice.whole(v) for k, v in state.items()})
     assert second["w"].tensor.data_ptr() == first["w"].tensor.data_ptr()  # the same buffer
     assert torch.equal(second["w"].tensor, state["w"].cpu())
+
+
+def test_side_stream_copies_precede_the_update_queued_after_release():
+    state = {"w": torch.randn(64 << 20, device="cuda"), "b": torch.randn(7, device="cuda")}  # 256 MiB
+    want = {k: v.cpu() for k, v in state.items()}
+    stage1 = HostSnapshot().start({k: TensorSlice.whole(v) for k, v in state.items()})
+    stage1.release()  # on the device: the current stream waits for the copies
+    for t in state.values():
+        t.add_(1.0)  # queued at once, runs after the copies
+    host = stage1.wait()
+    for name, piece in host.items():
+        assert piece.tensor.is_pinned() and torch.equal(piece.tensor, want[name]), name
 
 
 def test_cuda_state_saves_and_restores_bitwise(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ckpt_runs import STEPS, final_params, losses, run
-from cli_runner import mshpc
+from cli_runner import mshpc, read_metrics
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.shard_read import entry_nbytes
 from mshpc.events import read_events
@@ -67,6 +67,15 @@ def test_dp2_checkpoint_resumes_at_dp4_reading_each_byte_once(straight, tmp_path
     want, got = final_params(straight / "straight" / "checkpoints"), final_params(tmp_path / "q" / "checkpoints")
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6)
+
+
+def test_metrics_hold_each_saves_blocking_and_the_next_updates_wait_for_stage_1(straight):
+    rows = {r["step"]: r for r in read_metrics(straight / "straight")}
+    assert [s for s, r in rows.items() if r["ckpt_blocking_s"] is not None] == [4, STEPS]
+    # stage 1 of step 4's save overlapped step 5's forward and backward; step 8's has no next
+    # update (the run's end waits for it)
+    waits = {s: r["ckpt_stage1_wait_s"] for s, r in rows.items() if r["ckpt_stage1_wait_s"] is not None}
+    assert list(waits) == [5] and 0 <= waits[5] < 60
 
 
 def test_ckpt_tools_on_a_real_run(straight):

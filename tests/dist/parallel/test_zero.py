@@ -179,12 +179,39 @@ def save_and_reload(rank: int, world: int) -> dict:
     return {"same": same, "next_equal": nexts[0][0] == nexts[0][1], "checkpoint": checkpoint if rank == 0 else None}
 
 
+def update_hooks(rank: int, world: int) -> dict:
+    """A checkpoint's stage 1 reads the state until the engine next writes it: a hook given to
+    before_next_update runs once, in the next step, before the masters, moments and weights
+    change; a load runs it too."""
+    engine = engine_for("adamw", True, world)
+    engine_step(engine, 0, 1, rank, world)
+    engine.wait_params()
+    weight = next(engine.model.parameters())
+    state = [engine.pieces[0].tensor, engine.optimizer.state[engine.pieces[0].tensor]["exp_avg"], weight]
+    before = [t.clone() for t in state]
+    seen: list[list[torch.Tensor]] = []
+    engine.before_next_update(lambda: seen.append([t.clone() for t in state]))
+    forward_only = engine.model(batch(1)[:1, :-1])  # the next step's reads do not run it
+    runs_before_step = len(seen)
+    for step in (1, 2):
+        engine_step(engine, step, 1, rank, world)
+    engine.wait_params()
+    changed = all(not torch.equal(a, b) for a, b in zip(state, before))
+    loaded: list[int] = []
+    engine.before_next_update(lambda: loaded.append(1))
+    engine.load_state_slices(lambda name, start, numel: torch.zeros(numel))
+    return {"runs_before_step": runs_before_step, "runs": len(seen), "finite": bool(forward_only.isfinite().all()),
+            "saw_old_state": all(torch.equal(a, b) for a, b in zip(seen[0], before)),
+            "state_changed": changed, "load_runs": len(loaded)}
+
+
 def dp_cases(rank: int, world: int, checkpoint: dict | None) -> dict:
     out = {"parity": parity(rank, world), "memory": memory(rank, world),
            "overlap": overlap_seen(rank, world)}
     if world == 2:
         out["save"] = save_and_reload(rank, world)
         out["bf16"] = bf16_params(rank, world)
+        out["hooks"] = update_hooks(rank, world)
     if checkpoint is not None:
         out["resume"] = resume_and_continue(rank, world, checkpoint)
     return out
@@ -274,3 +301,11 @@ def test_bf16_parameters_train_with_fp32_gradients_and_masters(dp2):
         bf16 = result["bf16"]
         assert bf16["fp32"] and bf16["bf16"]
         assert bf16["losses"] == pytest.approx(bf16["ref_losses"], rel=2e-2)  # bf16 compute
+
+
+def test_an_update_hook_runs_once_before_the_state_changes(dp2):
+    for result in dp2:
+        hooks = result["hooks"]
+        assert hooks["runs_before_step"] == 0 and hooks["finite"]
+        assert hooks["runs"] == 1 and hooks["saw_old_state"] and hooks["state_changed"]
+        assert hooks["load_runs"] == 1
