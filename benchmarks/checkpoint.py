@@ -5,8 +5,18 @@ time of mshpc's two-stage save vs torch.save (the median of `--rounds` saves eac
 torch.distributed.checkpoint (sync and async_save); mshpc's full persist throughput vs the
 disk's own sequential write bandwidth (dd, direct I/O, same size, same folder); restore time
 of each in a fresh process with none of its files in the page cache. Then, at dp=2 and dp=8,
-a training save's blocking time (its slowest rank's stage 1) with the whole weights spread over
-the dp ranks vs all on dp rank 0.
+a training save's stage 1 on its slowest rank with the whole weights spread over the dp ranks
+vs all on dp rank 0.
+
+mshpc's stage 1 overlaps the forward and backward of the step after the save, so its blocking
+time is measured as in training: the save call, then that forward and backward (of MODEL, whose
+fp32 weights and Adam moments are about the state's size, on one sequence: the smallest batch,
+the least time to hide the copy in), then the wait of the step's update for stage 1. In the same
+rounds, the same save with stage 1 finished before the forward starts (copy first: the blocking
+time had stage 1 not overlapped), and for both the whole time from the save to the update:
+hiding the copy is no gain where the copy and stage 2 slow the forward and backward down as
+much, on a machine whose cores are all computing. And the forward and backward during a save
+vs alone.
 
 Cold cache, the same for every reader: before each restore the files it will read are fsynced
 and evicted with POSIX_FADV_DONTNEED (no root needed, and unlike drop_caches it leaves the other
@@ -29,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +54,10 @@ from mshpc.checkpoint.saver import CheckpointSaver, HostSnapshot, SaveTarget
 from mshpc.checkpoint.state import model_slices
 from mshpc.checkpoint.tensor_slice import TensorSlice
 from mshpc.config import ModelConfig
-from mshpc.model.gpt import GPT
+from mshpc.model.gpt import GPT, loss_fn
 
 TENSOR_MB = 64  # per tensor, like one large weight matrix or its moment
+MODEL = ModelConfig(n_layer=8, d_model=1024, n_head=16, seq_len=128)  # 101M parameters: 1.13 GiB with Adam
 
 
 def make_state(gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -86,25 +98,69 @@ def dd_write_gbps(folder: Path, nbytes: int) -> float:
     return count * 2**20 / elapsed / 1e9
 
 
-def bench_mshpc(state: dict[str, torch.Tensor], root: Path, rounds: int) -> dict[str, Any]:
+def forward_backward(device: str) -> Callable[[], float]:
+    """The next step's forward and backward: MODEL on one sequence. Returns a function that runs
+    it and returns its seconds (on a GPU, until the compute stream is done: not the copy's)."""
+    torch.manual_seed(0)
+    model = GPT(MODEL).to(device)
+    tokens = torch.randint(0, MODEL.vocab_size, (1, MODEL.seq_len + 1), device=device)
+
+    def run() -> float:
+        start = time.perf_counter()
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        if device == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - start
+
+    run()  # warm-up: the first backward builds its buffers
+    return run
+
+
+def bench_mshpc(state: dict[str, torch.Tensor], root: Path, rounds: int,
+                next_step: Callable[[], float]) -> dict[str, Any]:
     group = dist.new_group(backend="gloo")
     # keep every save: pruning the oldest (freeing its blocks) is housekeeping after the commit,
     # not persisting, and would land in the next save's persist time
-    target = SaveTarget(root=root, keep=rounds + 1, layout={"dp": 1, "tp": 1, "pp": 1}, config_hash="bench")
+    target = SaveTarget(root=root, keep=3 * rounds + 1, layout={"dp": 1, "tp": 1, "pp": 1}, config_hash="bench")
     saver = CheckpointSaver(target, rank=0, group=group, async_save=True)
     slices = {k: TensorSlice.whole(v) for k, v in state.items()}
+    tensors = list(state.values())
+    steps = iter(range(1, 3 * rounds + 2))
+
+    def save_in_training(overlap: bool) -> tuple[float, float]:
+        """A save, the next forward and backward, the update: the seconds the loop was blocked
+        (the save call, then the update's wait for stage 1) and the forward and backward took.
+        Without overlap stage 1 ends before the forward starts, as a blocking copy would."""
+        blocked = saver.save(next(steps), slices, extras={})
+        if not overlap:
+            blocked += saver.release()
+        seconds = next_step()
+        start = time.perf_counter()
+        saver.release()
+        if tensors[0].is_cuda:  # the update's stream waits on the device: time that wait too
+            torch.cuda.current_stream().synchronize()
+        blocked += time.perf_counter() - start
+        torch._foreach_add_(tensors, 1.0)  # the update writes every tensor of the state
+        saver.wait()
+        return blocked, seconds
+
     # The first save also allocates the host buffers that every later save reuses; a training
     # run saves many times, so the steady state is the later saves.
-    first_blocking = saver.save(1, slices, extras={})
-    saver.wait()
-    blocking, persist = [], []
-    for step in range(2, rounds + 2):
+    first_blocking, _ = save_in_training(overlap=True)
+    overlapped: list[tuple[float, float]] = []
+    copy_first: list[tuple[float, float]] = []
+    for r in range(rounds):  # alternating which goes first
+        for overlap in (r % 2 == 0, r % 2 == 1):
+            (overlapped if overlap else copy_first).append(save_in_training(overlap))
+    alone = [next_step() for _ in range(rounds)]
+    persist = []
+    for _ in range(rounds):  # persist alone: a save and its wait
         start = time.perf_counter()
-        blocking.append(saver.save(step, slices, extras={}))
+        saver.save(next(steps), slices, extras={})
         saver.wait()
         persist.append(time.perf_counter() - start)
-    return {"blocking_s": blocking, "first_blocking_s": first_blocking, "persist_s": persist,
-            "path": step_dir(root, rounds + 1)}
+    return {"first_blocking_s": first_blocking, "overlapped": overlapped, "copy_first": copy_first,
+            "fwd_bwd_alone_s": alone, "persist_s": persist, "path": step_dir(root, 3 * rounds + 1)}
 
 
 def bench_torch_save(state: dict[str, torch.Tensor], folder: Path, rounds: int) -> dict[str, Any]:
@@ -197,7 +253,7 @@ def bench_weights_spread(dp: int, device: str) -> dict[str, Any]:
     (state.model_slices) vs dp rank 0 saving all of them; the save blocks the loop until its
     slowest rank's stage 1 is done, so each side's figure is its slowest rank's. The ranks are
     timed one after another here, as on separate hosts they would run side by side."""
-    model = GPT(ModelConfig(n_layer=8, d_model=1024, n_head=16, seq_len=128)).to(device)
+    model = GPT(MODEL).to(device)
     n = sum(p.numel() for p in model.parameters())
     zero = {f"{kind}/shard": TensorSlice(torch.randn(n // dp, device=device), (n,), 0)
             for kind in ("master", "optim.exp_avg", "optim.exp_avg_sq")}
@@ -242,7 +298,7 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     try:
         disk = dd_write_gbps(args.dir, nbytes)
-        ours = bench_mshpc(state, args.dir / "mshpc", args.rounds)
+        ours = bench_mshpc(state, args.dir / "mshpc", args.rounds, forward_backward(args.device))
         plain = bench_torch_save(state, args.dir, args.rounds)
         ref = bench_dcp(state, args.dir / "dcp")
         del state
@@ -254,10 +310,19 @@ def main() -> None:
     spreads = {dp: bench_weights_spread(dp, args.device) for dp in (2, 8)}
     print(json.dumps({"bench": "checkpoint", "metric": "state_size", "value": round(nbytes / 2**30, 3), "unit": "GiB",
                       "device": args.device}))
-    blocking, persist = statistics.median(ours["blocking_s"]), statistics.median(ours["persist_s"])
-    print(samples_line("blocking_time_vs_torch_save", ours["blocking_s"], plain["blocking_s"]))
+    blocking_s = [b for b, _ in ours["overlapped"]]
+    blocking, persist = statistics.median(blocking_s), statistics.median(ours["persist_s"])
+    print(samples_line("blocking_time_vs_torch_save", blocking_s, plain["blocking_s"]))
     print(line("first_save_blocking_time_vs_torch_save", ours["first_blocking_s"], "s",
                statistics.median(plain["blocking_s"])))
+    print(samples_line("copy_first_blocking_time_vs_torch_save", [b for b, _ in ours["copy_first"]],
+                       plain["blocking_s"]))
+    # what a save costs the loop in all: blocked plus the next forward and backward, which
+    # stage 1 (overlapped) and stage 2 (both) slow down where they share the cores
+    print(samples_line("save_to_update_time_overlapped_vs_copy_first", [b + f for b, f in ours["overlapped"]],
+                       [b + f for b, f in ours["copy_first"]]))
+    print(samples_line("next_fwd_bwd_time_during_save_vs_alone", [f for _, f in ours["overlapped"]],
+                       ours["fwd_bwd_alone_s"]))
     print(line("blocking_time_vs_dcp_sync_save", blocking, "s", ref["sync_s"]))
     print(line("blocking_time_vs_dcp_async_save", blocking, "s", ref["async_blocking_s"]))
     print(line("persist_throughput_vs_dd_direct_write", nbytes / persist / 1e9, "GB/s", disk,
