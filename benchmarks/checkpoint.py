@@ -127,19 +127,22 @@ def bench_mshpc(state: dict[str, torch.Tensor], root: Path, rounds: int,
     tensors = list(state.values())
     steps = iter(range(1, 3 * rounds + 2))
 
+    def wait_stage1() -> float:
+        start = time.perf_counter()
+        saver.release()
+        if tensors[0].is_cuda:  # the stream waits on the device: time that wait too
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - start
+
     def save_in_training(overlap: bool) -> tuple[float, float]:
         """A save, the next forward and backward, the update: the seconds the loop was blocked
         (the save call, then the update's wait for stage 1) and the forward and backward took.
         Without overlap stage 1 ends before the forward starts, as a blocking copy would."""
         blocked = saver.save(next(steps), slices, extras={})
         if not overlap:
-            blocked += saver.release()
+            blocked += wait_stage1()
         seconds = next_step()
-        start = time.perf_counter()
-        saver.release()
-        if tensors[0].is_cuda:  # the update's stream waits on the device: time that wait too
-            torch.cuda.current_stream().synchronize()
-        blocked += time.perf_counter() - start
+        blocked += wait_stage1()
         torch._foreach_add_(tensors, 1.0)  # the update writes every tensor of the state
         saver.wait()
         return blocked, seconds
