@@ -95,6 +95,10 @@ def test_heartbeats_reach_the_monitor_and_a_dump_returns_stacks():
             assert "test_heartbeats_reach_the_monitor" in state.dump["stacks"]
             with pytest.raises(LossDiverged, match="loss nan at step 5"):
                 beat.phase("checkpoint", 4, float("nan"))
+        # the exit message travels like the beats: the monitor's thread records it a moment later
+        deadline = time.monotonic() + 10
+        while monitor.ranks[0].outcome is None and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert monitor.ranks[0].outcome["how"] == "ok"
     finally:
         monitor.close()
