@@ -7,8 +7,8 @@ import torch
 
 from mshpc.checkpoint.h5_shard import ALIGN_BYTES
 from mshpc.checkpoint.saver import HostSnapshot, Stage1
-from mshpc.errors import CheckpointError
 from mshpc.checkpoint.tensor_slice import TensorSlice
+from mshpc.errors import CheckpointError
 
 
 def _state() -> dict[str, torch.Tensor]:
