@@ -7,13 +7,20 @@ BIN := $(VENV)/bin
 CPU_TORCH := torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: run test setup setup-test system-tools clean slurm-up slurm-down cuda-check
+.PHONY: run test lint setup setup-test system-tools clean slurm-up slurm-down cuda-check
 
 run: setup
 	$(BIN)/mshpc train configs/tiny.yaml
 
-test: setup-test system-tools slurm-up cuda-check
+test: lint setup-test system-tools slurm-up cuda-check
 	$(BIN)/python -m pytest tests -q
+
+# ruff (pyflakes, import order, bugbear, pyupgrade) and mypy over the package, as pyproject.toml
+# configures them, with the versions its test extra pins. `make test` runs it first: a finding
+# fails in seconds, before the Slurm start and the 20-minute suite.
+lint: setup-test
+	$(BIN)/ruff check mshpc
+	$(BIN)/mypy mshpc
 
 # Compile every CUDA kernel (csrc/cuda/*.cu: no torch headers, so nvcc alone suffices) for sm_80
 # and sm_90, compile only, so that a CUDA build break fails `make test` on a machine without a
