@@ -28,6 +28,7 @@ from mshpc.launch.env import LaunchEnv
 from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
+from mshpc.loss_check import check_loss
 from mshpc.model.gpt import GPT
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
@@ -192,7 +193,9 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(loss.item())
-            beat.phase("checkpoint", step, losses[-1])  # raises LossDiverged before a NaN is saved
+            # the loss is all-reduced: every rank raises alike, before a NaN can be saved
+            check_loss(losses[-1], step, cfg.supervisor.loss_limit)
+            beat.phase("checkpoint", step)
             with phase("checkpoint"):  # stage 1 overlaps the next forward and backward, stage 2 the next steps
                 blocking_s = ckpt.maybe_save(step + 1)
             step_time_s = time.perf_counter() - start

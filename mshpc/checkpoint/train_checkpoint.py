@@ -27,6 +27,7 @@ from mshpc.parallel.mesh import Coords, MeshShape
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.parallel.zero import ZeroEngine
 from mshpc.run_dir import run_path
+from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class TrainCheckpointer:
         target = SaveTarget(root=root, keep=cfg.checkpoint.keep, config_hash=config_hash(cfg),
                             layout={"dp": p.dp, "tp": p.tp, "pp": p.pp})
         self.saver = CheckpointSaver(target, rank, self.group, cfg.checkpoint.async_save, before_commit)
+        self.schedule = SaveSchedule.from_config(cfg)
         self._restored: dict[str, int] = {}  # what the last restore's stage read and received
         self._stage1_wait_s: float | None = None  # how long the last update waited for a save's stage 1
         self._splits = tp_splits(engine.model)  # how tp cut this stage (empty at tp=1), for resharding
@@ -87,12 +89,9 @@ class TrainCheckpointer:
         return {"seed": c.data.seed, "global_batch": c.global_batch, "seq_len": c.model.seq_len}
 
     def maybe_save(self, step: int) -> float | None:
-        """After `step` optimizer steps: save if the interval says so (or it is the last step);
-        return the seconds the loop was blocked, or None when nothing was saved."""
-        interval = self.cfg.checkpoint.interval_steps
-        if interval == 0 or (step % interval and step != self.cfg.train.steps):
-            return None
-        return self.save(step)
+        """After `step` optimizer steps: save if the schedule says so; return the seconds the
+        loop was blocked, or None when nothing was saved."""
+        return self.save(step) if self.schedule.due(step) else None
 
     def save(self, step: int) -> float:
         """Save now, after `step` optimizer steps; return the seconds the loop was blocked."""

@@ -1,8 +1,9 @@
 """The rank's side of supervision: a side thread that reports (rank, host, step, phase, time)
 to the supervisor over a TCP socket the supervisor owns, never through a collective.
 
-The train loop only calls `phase(name, step)`: a tuple assignment and a deque append. The
-thread does the rest every `heartbeat_interval_s`: per-phase median durations (the supervisor's
+The train loop only calls `phase(name, step)`: a tuple assignment and a deque append (and once,
+when the loop leaves its setup, one message with the step it resumed from: the supervisor's
+story must not wait for a beat to carry it). The thread does the rest every `heartbeat_interval_s`: per-phase median durations (the supervisor's
 timeouts are calibrated from them), the flight recorder's per-group counts and last record, and
 on request a dump of every thread's Python stack (faulthandler) and the whole flight recorder.
 Messages are JSON lines; nothing received is executed.
@@ -14,7 +15,6 @@ import collections
 import faulthandler
 import json
 import logging
-import math
 import os
 import select
 import socket
@@ -28,8 +28,10 @@ from typing import Any
 from mshpc.config import Config
 from mshpc.errors import MshpcError
 from mshpc.launch.env import SupervisorLink
+from mshpc.loss_check import LossDiverged
 from mshpc.parallel.comm import RECORDER
 from mshpc.parallel.mesh import MeshShape
+from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +40,12 @@ MIN_SAMPLES = 3  # a phase's median means something after this many
 _WINDOW = 64  # recent durations kept per phase
 
 
-class LossDiverged(RuntimeError):
-    """The global loss is NaN/Inf or above supervisor.loss_limit: raised on every rank alike
-    (the loss is all-reduced), before the step can be checkpointed."""
-
-
 class Heartbeat:
-    """One per rank. Without a supervisor (`link` None) it only checks the loss."""
+    """One per rank. Without a supervisor (`link` None) it only records the phases."""
 
     def __init__(self, link: SupervisorLink | None, hello: dict[str, Any], interval_s: float,
-                 loss_limit: float | None, save_every: int = 0, steps: int = 0) -> None:
-        self.link, self.hello, self.interval_s, self.loss_limit = link, hello, interval_s, loss_limit
-        self.save_every, self.steps = save_every, steps  # which steps end in a checkpoint save
+                 schedule: SaveSchedule) -> None:
+        self.link, self.hello, self.interval_s, self.schedule = link, hello, interval_s, schedule
         self._current = ("setup", -1, time.monotonic())  # (phase, step, entered at)
         self._start_step: int | None = None
         self._durations = {p: collections.deque(maxlen=_WINDOW) for p in PHASES}
@@ -60,25 +56,19 @@ class Heartbeat:
 
     # ---------------------------------------------------------------- the train loop's side
 
-    def phase(self, name: str, step: int, loss: float | None = None) -> None:
-        """Enter phase `name` of step `step` (0-based); with `loss`, check it first. The
-        checkpoint phase begins only on steps that save (a long save is no hang); on the others
-        the step phase goes on to the next data phase."""
-        if loss is not None and (not math.isfinite(loss) or (self.loss_limit is not None and loss > self.loss_limit)):
-            raise LossDiverged(f"loss {loss} at step {step + 1} (NaN/Inf, or above supervisor.loss_limit="
-                               f"{self.loss_limit})")
-        if name == "checkpoint" and not self._saves(step):
+    def phase(self, name: str, step: int) -> None:
+        """Enter phase `name` of step `step` (0-based). The checkpoint phase begins only on steps
+        that save (a long save is no hang); on the others the step phase goes on to the next
+        data phase."""
+        if name == "checkpoint" and not self.schedule.due(step + 1):
             return  # no save after this step: its tail (metrics, the stop check) counts as the step
         now = time.monotonic()
         previous, _, since = self._current
         if previous == "setup":
-            self._start_step = step  # where this attempt resumed
+            self._start_step = step  # where this attempt resumed: told at once, not in the next beat
+            self._send({"type": "started", "start_step": step})
         self._durations[previous].append(now - since)
         self._current = (name, step, now)
-
-    def _saves(self, step: int) -> bool:
-        done = step + 1
-        return self.save_every > 0 and (done % self.save_every == 0 or done == self.steps)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -89,14 +79,7 @@ class Heartbeat:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc is None:
-            self._send({"type": "exit", "how": "ok"})
-        elif isinstance(exc, SystemExit):  # JobStopped: a checkpoint, then a requested stop
-            self._send({"type": "exit", "how": "stopped", "code": exc.code})
-        else:
-            self._send({"type": "failed", "t": time.time(), "error": type(exc).__name__, "message": str(exc).splitlines()[0] if str(exc) else "",
-                        "user_error": isinstance(exc, MshpcError), "loss_diverged": isinstance(exc, LossDiverged),
-                        "phase": self._current[0], "step": self._current[1]})
+        self._send(self._last_words(exc))
         self._stop.set()
         sock = self._sock
         if sock is not None:
@@ -108,6 +91,21 @@ class Heartbeat:
             self._thread.join(timeout=5)
         if sock is not None:
             sock.close()
+
+    def _last_words(self, exc: BaseException | None) -> dict[str, Any]:
+        """The exit or failed message, with the start step again (its only carrier when the
+        loop never ran)."""
+        start = self._start_step
+        if start is None and exc is None:
+            start = self.schedule.last_step  # the loop never ran: it resumed at the last step
+        if exc is None:
+            return {"type": "exit", "how": "ok", "start_step": start}
+        if isinstance(exc, SystemExit):  # JobStopped: a checkpoint, then a requested stop
+            return {"type": "exit", "how": "stopped", "code": exc.code, "start_step": start}
+        return {"type": "failed", "t": time.time(), "error": type(exc).__name__,
+                "message": str(exc).splitlines()[0] if str(exc) else "", "user_error": isinstance(exc, MshpcError),
+                "loss_diverged": isinstance(exc, LossDiverged), "phase": self._current[0], "step": self._current[1],
+                "start_step": start}
 
     def _connect(self) -> None:
         assert self.link is not None
@@ -154,7 +152,7 @@ class Heartbeat:
         medians = {p: statistics.median(d) for p, d in self._durations.items() if len(d) >= MIN_SAMPLES}
         records = RECORDER.snapshot()
         last = records[-1] if records else None
-        return {"type": "beat", "phase": phase, "step": step, "start_step": self._start_step, "phase_s": time.monotonic() - since,
+        return {"type": "beat", "phase": phase, "step": step, "phase_s": time.monotonic() - since,
                 "medians": medians, "counts": RECORDER.counts(),
                 "last": None if last is None else [last.seq, last.group, last.op, last.nbytes]}
 
@@ -172,5 +170,4 @@ def start_heartbeat(cfg: Config, link: SupervisorLink | None, rank: int, node: s
     """The heartbeat of `rank` (use it as a context manager); it talks only when `link` is set."""
     shape = MeshShape(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp)
     hello = {"rank": rank, "host": node, "coords": str(shape.coords(rank))}
-    return Heartbeat(link, hello, cfg.supervisor.heartbeat_interval_s, cfg.supervisor.loss_limit,
-                     cfg.checkpoint.interval_steps, cfg.train.steps)
+    return Heartbeat(link, hello, cfg.supervisor.heartbeat_interval_s, SaveSchedule.from_config(cfg))

@@ -28,7 +28,7 @@ class RankState:
     last_beat_at: float | None = None
     phase: str = "setup"
     step: int = -1
-    start_step: int | None = None  # the step the rank resumed from (its first after setup)
+    start_step: int | None = None  # the step the rank resumed from: its "started" message, or its last words
     phase_s: float = 0.0  # seconds in `phase` when the last beat was sent
     medians: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
@@ -113,11 +113,14 @@ class Monitor:
             kind = message.get("type")
             if kind == "beat":
                 state.last_beat_at, state.phase, state.step = now, message["phase"], message["step"]
-                state.start_step = message["start_step"]
                 state.phase_s, state.medians = message["phase_s"], message["medians"]
                 state.counts, state.last = message["counts"], message["last"]
+            elif kind == "started":
+                state.start_step = message["start_step"]
             elif kind in ("failed", "exit"):
                 state.outcome = message
+                if message.get("start_step") is not None:
+                    state.start_step = message["start_step"]
             elif kind == "dump":
                 state.dump = message
         if kind != "beat":

@@ -36,6 +36,7 @@ POLL_S = 0.2
 DUMP_WAIT_S = 5.0  # how long live ranks get to send their stacks for the hang report
 USER_ERROR_EXIT = 2
 EXIT_WAIT_S = 60.0  # ranks that all said "ok" get this long to exit before they are stopped
+LAST_WORDS_WAIT_S = 5.0  # how long rank 0's last message may trail the exit of its process
 
 
 class Ranks(Protocol):
@@ -58,7 +59,7 @@ class Attempt:
     number: int
     hosts: list[str]
     started_at: float  # monotonic
-    resumed_from: int | None = None  # the step the ranks resumed from (seen in their first beat)
+    resumed_from: int | None = None  # the step the ranks resumed from (rank 0 tells it at once)
     first_step_at: float | None = None  # when a first step finished: training goes on
 
 
@@ -123,7 +124,9 @@ class Supervisor:
         ranks = self.start(number, attempt.hosts, env)
         try:
             code, det = self._watch(monitor, ranks, attempt)
-            if det is not None:
+            if det is None:
+                self._last_words(monitor, attempt)
+            else:
                 self._handle(det, monitor, ranks, attempt, token)
             return code, det
         finally:
@@ -150,8 +153,18 @@ class Supervisor:
             if det is not None:
                 return det.exit_code, det
 
+    def _last_words(self, monitor: Monitor, attempt: Attempt) -> None:
+        """An exit seen by the launcher can overtake the rank's last message in the monitor's
+        thread: read rank 0's connection to its end (bounded) so the story is told from it."""
+        first, deadline = monitor.ranks[0], time.monotonic() + LAST_WORDS_WAIT_S
+        while first.outcome is None and first.closed_at is None and time.monotonic() < deadline:
+            monitor.changed.wait(POLL_S)
+            monitor.changed.clear()
+        self._track(monitor.ranks, attempt)
+
     def _track(self, states: dict[int, RankState], attempt: Attempt) -> None:
-        """Note where the attempt resumed and when its first step finished (recovery time)."""
+        """Note where the attempt resumed and when its first step finished (recovery time): from
+        rank 0's "started" message and last words, which come whatever the beat interval."""
         first = states[0]
         if attempt.resumed_from is None and first.start_step is not None:
             attempt.resumed_from = first.start_step

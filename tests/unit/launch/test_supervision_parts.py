@@ -11,12 +11,15 @@ from mshpc.faults import bind, parse_faults
 from mshpc.launch.detection import detect
 from mshpc.launch.env import SupervisorLink
 from mshpc.launch.hang_report import lagging
-from mshpc.launch.heartbeat import Heartbeat, LossDiverged
+from mshpc.launch.heartbeat import Heartbeat
 from mshpc.launch.monitor import Monitor, RankState
 from mshpc.launch.recovery import NodePool, classify
 from mshpc.launch.timeouts import phase_timeout
+from mshpc.loss_check import LossDiverged, check_loss
+from mshpc.save_schedule import SaveSchedule
 
 CFG = SupervisorConfig(timeout_k=5, timeout_floor_s=10, checkpoint_timeout_s=100, setup_timeout_s=300)
+NO_SAVES = SaveSchedule(interval_steps=0, last_step=0)
 
 
 def test_timeouts_follow_the_median_above_the_floor():
@@ -81,7 +84,7 @@ def test_heartbeats_reach_the_monitor_and_a_dump_returns_stacks():
     monitor = Monitor(1, "tok")
     link = SupervisorLink("127.0.0.1", monitor.port, "tok", 0)
     try:
-        with Heartbeat(link, {"rank": 0, "host": "h", "coords": "(dp=0, tp=0, pp=0)"}, 0.05, None) as beat:
+        with Heartbeat(link, {"rank": 0, "host": "h", "coords": "(dp=0, tp=0, pp=0)"}, 0.05, NO_SAVES) as beat:
             for step in range(4):
                 beat.phase("step", step)
                 time.sleep(0.01)
@@ -94,7 +97,7 @@ def test_heartbeats_reach_the_monitor_and_a_dump_returns_stacks():
             monitor.request_dumps(10)
             assert "test_heartbeats_reach_the_monitor" in state.dump["stacks"]
             with pytest.raises(LossDiverged, match="loss nan at step 5"):
-                beat.phase("checkpoint", 4, float("nan"))
+                check_loss(float("nan"), 4, None)
         # the exit message travels like the beats: the monitor's thread records it a moment later
         deadline = time.monotonic() + 10
         while monitor.ranks[0].outcome is None and time.monotonic() < deadline:
@@ -105,20 +108,20 @@ def test_heartbeats_reach_the_monitor_and_a_dump_returns_stacks():
 
 
 def test_the_checkpoint_phase_begins_only_on_steps_that_save():
-    beat = Heartbeat(None, {}, 1.0, None, save_every=2, steps=5)
+    beat = Heartbeat(None, {}, 1.0, SaveSchedule(interval_steps=2, last_step=5))
     beat.phase("step", 0)
-    beat.phase("checkpoint", 0, 3.0)  # step 1 saves nothing: still the step phase
+    beat.phase("checkpoint", 0)  # step 1 saves nothing: still the step phase
     assert beat._current[:2] == ("step", 0)
-    beat.phase("checkpoint", 1, 3.0)  # step 2 saves
+    beat.phase("checkpoint", 1)  # step 2 saves
     assert beat._current[:2] == ("checkpoint", 1)
-    beat.phase("checkpoint", 4, 3.0)  # the last step always saves
+    beat.phase("checkpoint", 4)  # the last step always saves
     assert beat._current[:2] == ("checkpoint", 4)
 
 
 def test_a_stranger_without_the_token_is_not_heard():
     monitor = Monitor(1, "tok")
     try:
-        with Heartbeat(SupervisorLink("127.0.0.1", monitor.port, "old", 0), {"rank": 0, "host": "h"}, 0.05, None):
+        with Heartbeat(SupervisorLink("127.0.0.1", monitor.port, "old", 0), {"rank": 0, "host": "h"}, 0.05, NO_SAVES):
             time.sleep(0.3)
         assert monitor.ranks[0].host is None and monitor.ranks[0].outcome is None
     finally:
