@@ -59,7 +59,7 @@ class CheckpointReader:
     def load(self, entries: list[TensorEntry]) -> None:
         """Read and verify those of `entries` not held yet, all in one batch of parallel reads."""
         missing = [e for e in entries if e not in self._cache]
-        for e, data in zip(missing, read_entries(self._files, missing, self.stats)):
+        for e, data in zip(missing, read_entries(self._files, missing, self.stats), strict=True):
             self._cache[e] = from_bytes(data, e.dtype)
 
     def raw(self, e: TensorEntry) -> torch.Tensor:

@@ -127,17 +127,17 @@ def read_entries(files: ShardFiles, entries: list[TensorEntry], stats: ReadStats
                   for i, n in enumerate(sizes)]
         checks = [sums.submit(_checksum, buffers[i], chunks[i]) for i in range(len(entries))]
         try:
-            crcs = [_result(check, files.folder, e) for check, e in zip(checks, entries)]
+            crcs = [_result(check, files.folder, e) for check, e in zip(checks, entries, strict=True)]
         finally:
             sums.shutdown(cancel_futures=True)
             reads.shutdown(cancel_futures=True)
-    for e, crc in zip(entries, crcs):
+    for e, crc in zip(entries, crcs, strict=True):
         if crc != e.crc32:
             raise CheckpointError(f"{files.folder / e.file}:{e.dataset}: checksum mismatch for tensor "
                                   f"{e.name!r} (corrupt shard)")
     stats.bytes_read += sum(sizes)
     stats.entries += [f"{e.file}:{e.dataset}" for e in entries]
-    return [b[:n] for b, n in zip(buffers, sizes)]
+    return [b[:n] for b, n in zip(buffers, sizes, strict=True)]
 
 
 def _checksum(buffer: memoryview, chunks: list[tuple[int, int, Future[None]]]) -> int:

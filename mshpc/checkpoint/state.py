@@ -38,7 +38,7 @@ def model_slices(model: nn.Module, mp: ModelParallel = ModelParallel(), dp_rank:
     named = [(n, p) for n, p in model.named_parameters() if mp.tp_rank == 0 or n not in mp.replicated]
     owners = spread([p.numel() * p.element_size() for _, p in named], dp)
     return {f"model/{mp.checkpoint_key(n)}": TensorSlice.whole(p.detach())
-            for (n, p), owner in zip(named, owners) if owner == dp_rank}
+            for (n, p), owner in zip(named, owners, strict=True) if owner == dp_rank}
 
 
 def rng_slices(rank: int) -> dict[str, TensorSlice]:

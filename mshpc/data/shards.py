@@ -248,7 +248,7 @@ class TokenDataset:
 
     def doc_starts(self) -> np.ndarray:
         """Stream positions (int64) at which the documents start."""
-        return np.concatenate([d + off for d, off in zip(self._docs, self._offsets[:-1])])
+        return np.concatenate([d + off for d, off in zip(self._docs, self._offsets[:-1], strict=True)])
 
     def close(self) -> None:
         """Drop the memory maps; later reads raise DataError."""

@@ -41,7 +41,7 @@ def loss_and_mfu(a: Analysis, path: Path) -> Path:
     top.set_ylabel("loss")
     mfu = [(r["step"], r["mfu"]) for r in a.metrics if r.get("mfu") is not None]
     if mfu:
-        bottom.plot(*zip(*mfu), color=COLOURS["compute"], lw=1)
+        bottom.plot(*zip(*mfu, strict=True), color=COLOURS["compute"], lw=1)
         bottom.set_ylabel("MFU")
     else:
         bottom.plot(*tflops_series(a), color=COLOURS["compute"], lw=1)
@@ -71,7 +71,7 @@ def compute_heatmap(a: Analysis, path: Path) -> Path:
     if len(t.ranks) <= MAX_LABELLED_RANKS:
         ax.set_yticks(range(len(t.ranks)), [rank_label(r) + ("  ◀ straggler" if r.rank in slow else "")
                                             for r in t.ranks])
-        for label, info in zip(ax.get_yticklabels(), t.ranks):
+        for label, info in zip(ax.get_yticklabels(), t.ranks, strict=True):
             if info.rank in slow:
                 label.set_color(SLOW)
                 label.set_fontweight("bold")

@@ -106,11 +106,11 @@ class StepSpans:
         """(step seconds, {phase: self seconds}); call once ready(). Returns the marks to the clock."""
         durations = [self.clock.seconds(start, end) for _, _, start, end in self.spans]
         own = list(durations)
-        for (_, parent, _, _), seconds in zip(self.spans, durations):
+        for (_, parent, _, _), seconds in zip(self.spans, durations, strict=True):
             if parent >= 0:
                 own[parent] -= seconds
         phases: dict[str, float] = {}
-        for (name, _, _, _), seconds in zip(self.spans[1:], own[1:]):
+        for (name, _, _, _), seconds in zip(self.spans[1:], own[1:], strict=True):
             phases[name] = phases.get(name, 0.0) + max(seconds, 0.0)
         phases[OTHER] = max(own[0], 0.0)  # device clocks of several streams may overlap a little
         self.clock.release(self.marks())

@@ -249,7 +249,7 @@ def submit_sweep(configs: Sequence[str | Path | Config], *, nodes: int = 1, gpus
     tasks = _tasks(cfgs, root / "configs", nodes * per_node, per_node)
     with executor.batch():
         jobs = [executor.submit(task) for task in tasks]
-    return [Job(j, run_path(c).resolve(), t.token) for j, c, t in zip(jobs, cfgs, tasks)]
+    return [Job(j, run_path(c).resolve(), t.token) for j, c, t in zip(jobs, cfgs, tasks, strict=True)]
 
 
 def submit(config: str | Path | Config, *, overrides: Sequence[str] = (), nodes: int = 1,

@@ -50,7 +50,7 @@ class FusedAdamW(torch.optim.Optimizer):
         for p, _ in tensors:
             init_moments(self.state[p], p)
         by_step: dict[int, list[tuple[torch.Tensor, dict[str, Any]]]] = {}
-        for (p, group), step in zip(tensors, advance_steps([self.state[p] for p, _ in tensors])):
+        for (p, group), step in zip(tensors, advance_steps([self.state[p] for p, _ in tensors]), strict=True):
             by_step.setdefault(step, []).append((p, group))
         for step, batch in by_step.items():  # one launch: tensors only differ in step when one sat out
             self._launch(batch, step)

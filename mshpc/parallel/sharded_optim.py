@@ -51,7 +51,7 @@ class ShardedLamb(Lamb):
         """Update every piece; every dp rank must call it (one all-reduce of 2 * n_params)."""
         assert closure is None, "ShardedLamb.step takes no closure"
         pieces = [(p, group, owner) for group in self.param_groups
-                  for p, owner in zip(group["params"], group["owner"]) if p.grad is not None]
+                  for p, owner in zip(group["params"], group["owner"], strict=True) if p.grad is not None]
         device = pieces[0][0].device if pieces else torch.device("cpu")
         # (2, n_params): squared norms of w and r per whole parameter, summed over ranks
         norms_sq = torch.zeros(2, self.n_params, device=device)
@@ -78,7 +78,7 @@ class ShardedLamb(Lamb):
         return updates, norms_sq
 
     def _apply(self, pieces: list[Piece], updates: list[torch.Tensor], trust: torch.Tensor) -> None:
-        for (p, group, owner), r in zip(pieces, updates):
+        for (p, group, owner), r in zip(pieces, updates, strict=True):
             p.add_(r * trust[owner], alpha=-group["lr"])
 
 

@@ -48,7 +48,7 @@ def gather_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chun
         pending.append((comm.all_gather(landed, piece, group, async_op=True), landed))
     x_full = x.new_empty((b, tp, s_l, *x.shape[2:]))
     y_full: torch.Tensor | None = None
-    for (lo, hi), (work, landed) in zip(bounds, pending):
+    for (lo, hi), (work, landed) in zip(bounds, pending, strict=True):
         _wait(work)
         x_full[:, :, lo:hi] = landed.transpose(0, 1)
         if fn is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -13,7 +14,7 @@ import torch
 def chunk_bounds(length: int, chunks: int) -> list[tuple[int, int]]:
     """[lo, hi) of each of `chunks` near-equal pieces of range(length); empty pieces dropped."""
     cuts = [length * c // chunks for c in range(chunks + 1)]
-    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+    return [(lo, hi) for lo, hi in pairwise(cuts) if hi > lo]
 
 
 @dataclass(frozen=True)
