@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
 from mshpc.errors import LaunchError, MshpcError
 
 USER_ERROR_EXIT = 2

@@ -15,7 +15,7 @@ from torch import nn
 
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.tensor_slice import TensorSlice
-from mshpc.parallel.zero import ModelParallel
+from mshpc.parallel.zero import DP_ONLY, ModelParallel
 
 
 def spread(sizes: list[int], ranks: int) -> list[int]:
@@ -28,7 +28,7 @@ def spread(sizes: list[int], ranks: int) -> list[int]:
     return owners
 
 
-def model_slices(model: nn.Module, mp: ModelParallel = ModelParallel(), dp_rank: int = 0,
+def model_slices(model: nn.Module, mp: ModelParallel = DP_ONLY, dp_rank: int = 0,
                  dp: int = 1) -> dict[str, TensorSlice]:
     """This dp rank's share of the weights, named as `mp` names them (a tp-replicated one from tp
     rank 0 only). Each weight is whole in one dp rank's shard, so it opens in plain h5py, and the

@@ -16,6 +16,8 @@ from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
 from mshpc.errors import ConfigError
 
+HOST = torch.device("cpu")  # the default: batches stay in host memory, moved to the device later
+
 
 def choose_loader(cfg: DataConfig, missing: Callable[[], str | None] = dali_missing) -> tuple[str, str]:
     """(loader, why): "torch", "dali" or "node" (the per-node reader). `missing` says why DALI
@@ -36,7 +38,7 @@ def choose_loader(cfg: DataConfig, missing: Callable[[], str | None] = dali_miss
 
 def build_loader(cfg: DataConfig, dataset: TokenDataset, seq_len: int, global_batch: int,
                  dp_rank: int, dp_size: int, start_step: int,
-                 device: torch.device = torch.device("cpu"),
+                 device: torch.device = HOST,
                  scope: ReaderScope | None = None) -> BatchLoader:
     """A started loader of rank `dp_rank`'s batches from `start_step` on, on `device` (DALI) or in
     host memory to be moved there. With `cfg.per_node_reader` it is collective over

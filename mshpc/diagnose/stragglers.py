@@ -28,8 +28,16 @@ import numpy as np
 
 from mshpc.config import DiagnoseConfig, load_config
 from mshpc.diagnose.timers import category
-from mshpc.diagnose.timings import (RankInfo, Timings, is_header, parse_lines, rank_file, rank_info, read_timings,
-                                    to_arrays)
+from mshpc.diagnose.timings import (
+    RankInfo,
+    Timings,
+    is_header,
+    parse_lines,
+    rank_file,
+    rank_info,
+    read_timings,
+    to_arrays,
+)
 from mshpc.events import append_event
 
 log = logging.getLogger(__name__)

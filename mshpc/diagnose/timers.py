@@ -35,7 +35,7 @@ P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
 CATEGORIES = ("compute", "communication", "data wait", "bubble", "checkpoint", "other")
 
 
-@functools.lru_cache(maxsize=None)  # a handful of names, asked for every step and rank
+@functools.cache  # a handful of names, asked for every step and rank
 def category(phase: str) -> str:
     """The breakdown a phase counts in; a phase nobody declared (a layer's own timer) is compute."""
     if phase.startswith(COMM_PREFIX):

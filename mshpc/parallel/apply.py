@@ -23,8 +23,12 @@ from mshpc.config import Config, ParallelConfig
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel.mesh import Mesh
-from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                   vocab_parallel_cross_entropy)
+from mshpc.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 from mshpc.parallel.tp_split import COLUMNS, QKV_ROWS, ROWS, TpSplit, chunk_bounds
 from mshpc.parallel.zero import ModelParallel, ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine

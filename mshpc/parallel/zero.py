@@ -98,6 +98,9 @@ class ModelParallel:
         return name not in self.tied or dist.get_rank(self.tied_group) == 0
 
 
+DP_ONLY = ModelParallel()  # the model whole on every dp rank: no tp, no pp, nothing tied
+
+
 class ZeroEngine:
     """Built by `build_zero_engine` (zero_build.py). Per step, every dp rank calls backward()
     once per micro-batch (sync=True on the last) and then step(); after step() the model's .grad

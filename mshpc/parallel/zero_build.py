@@ -16,7 +16,7 @@ from mshpc.optim.optimizer import param_groups
 from mshpc.parallel import comm
 from mshpc.parallel.buckets import BucketLayout, build_buckets
 from mshpc.parallel.sharded_optim import build_shard_optimizer
-from mshpc.parallel.zero import GRAD_DTYPE, Bucket, ModelParallel, ShardPiece, ZeroEngine
+from mshpc.parallel.zero import DP_ONLY, GRAD_DTYPE, Bucket, ModelParallel, ShardPiece, ZeroEngine
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -125,12 +125,13 @@ def _register_hooks(engine: ZeroEngine) -> None:
     for module in engine.model.modules():
         own = {engine.bucket_of[index_of[id(p)]] for p in module.parameters(recurse=False) if id(p) in index_of}
         if own:
-            module.register_forward_pre_hook(lambda *_, own=tuple(sorted(own)): engine._wait_gathers(own))
+            buckets = tuple(sorted(own))
+            module.register_forward_pre_hook(lambda *_, b=buckets: engine._wait_gathers(b))
 
 
 def build_zero_engine(
     model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
-    mp: ModelParallel = ModelParallel(), fused: bool = False,
+    mp: ModelParallel = DP_ONLY, fused: bool = False,
 ) -> ZeroEngine:
     """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
     (None: the world), with the optimizer named by `optim` (its multi-tensor kernel version when
