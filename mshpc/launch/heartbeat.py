@@ -48,7 +48,7 @@ class Heartbeat:
         self.link, self.hello, self.interval_s, self.schedule = link, hello, interval_s, schedule
         self._current = ("setup", -1, time.monotonic())  # (phase, step, entered at)
         self._start_step: int | None = None
-        self._durations = {p: collections.deque(maxlen=_WINDOW) for p in PHASES}
+        self._durations: dict[str, collections.deque[float]] = {p: collections.deque(maxlen=_WINDOW) for p in PHASES}
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._stop = threading.Event()

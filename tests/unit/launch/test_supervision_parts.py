@@ -126,3 +126,22 @@ def test_a_stranger_without_the_token_is_not_heard():
         assert monitor.ranks[0].host is None and monitor.ranks[0].outcome is None
     finally:
         monitor.close()
+
+
+def test_a_diverged_loss_reaches_the_monitor_with_the_start_step():
+    monitor = Monitor(1, "tok")
+    try:
+        with pytest.raises(LossDiverged):
+            with Heartbeat(SupervisorLink("127.0.0.1", monitor.port, "tok", 1), {"rank": 0, "host": "h"}, 600.0,
+                           NO_SAVES) as beat:
+                beat.phase("data", 4)
+                beat.phase("step", 4)
+                check_loss(float("nan"), 4, None)
+        deadline = time.monotonic() + 10
+        while monitor.ranks[0].outcome is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        outcome = monitor.ranks[0].outcome
+        assert (outcome["type"], outcome["loss_diverged"], outcome["step"]) == ("failed", True, 4)
+        assert monitor.ranks[0].start_step == 4  # told at once, with no periodic beat in 600 s
+    finally:
+        monitor.close()
