@@ -1,12 +1,13 @@
 """The rank's side of supervision: a side thread that reports (rank, host, step, phase, time)
 to the supervisor over a TCP socket the supervisor owns, never through a collective.
 
-The train loop only calls `phase(name, step)`: a tuple assignment and a deque append (and once,
-when the loop leaves its setup, one message with the step it resumed from: the supervisor's
-story must not wait for a beat to carry it). The thread does the rest every `heartbeat_interval_s`: per-phase median durations (the supervisor's
-timeouts are calibrated from them), the flight recorder's per-group counts and last record, and
-on request a dump of every thread's Python stack (faulthandler) and the whole flight recorder.
-Messages are JSON lines; nothing received is executed.
+The train loop only calls `phase(name, step)`: a tuple assignment and a deque append, and once,
+when the loop leaves its setup, one message with the step it resumed from (the supervisor's story
+must not wait for a beat to carry it). The thread does the rest every `heartbeat_interval_s`:
+per-phase median durations (the supervisor's timeouts are calibrated from them), the flight
+recorder's per-group counts and last record, and on request a dump of every thread's Python
+stack (faulthandler) and the whole flight recorder. Messages are JSON lines; nothing received is
+executed.
 """
 
 from __future__ import annotations
