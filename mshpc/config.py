@@ -279,7 +279,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if key not in hints:
             raise _unknown_key(dotted, names)
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{dotted}.")
         else:
             kwargs[key] = _coerce(dotted, value, tp)

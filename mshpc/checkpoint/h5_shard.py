@@ -119,11 +119,12 @@ def _write_data(path: Path, jobs: list[tuple[np.ndarray, int]]) -> None:
     fd, direct = os.open(path, os.O_WRONLY), _open_direct(path)
     try:
         for data, offset in jobs:
-            view = memoryview(data.reshape(-1)).cast("B")
+            view = data.reshape(-1).data.cast("B")
             aligned = len(view) // ALIGN_BYTES * ALIGN_BYTES
             if direct is None or offset % ALIGN_BYTES or data.ctypes.data % ALIGN_BYTES:
                 aligned = 0
             if aligned:
+                assert direct is not None  # aligned is 0 without it
                 _pwrite_all(direct, view[:aligned], offset)
             _pwrite_all(fd, view[aligned:], offset + aligned)
         os.fsync(fd)
@@ -138,7 +139,7 @@ def write_shard(path: Path, items: dict[str, TensorSlice]) -> list[TensorEntry]:
     check_space(path, items)
     arrays = {name: to_numpy(piece.tensor.contiguous()) for name, piece in items.items()}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        crcs = {name: pool.submit(zlib.crc32, a) for name, a in arrays.items()}  # beside the writes
+        crcs = {name: pool.submit(zlib.crc32, a.data) for name, a in arrays.items()}  # beside the writes
         # Large datasets start on page boundaries, as O_DIRECT needs.
         with h5py.File(path, "w", alignment_threshold=_DIRECT_MIN_BYTES, alignment_interval=ALIGN_BYTES) as f:
             deferred = [name for name, a in arrays.items() if _create(f, name, a)]

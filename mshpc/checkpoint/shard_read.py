@@ -99,7 +99,7 @@ def _read_range(fds: tuple[int, int | None], view: memoryview, start: int, stop:
         use_direct = direct is not None and (offset + done) % ALIGN_BYTES == 0 and done % ALIGN_BYTES == 0
         end = _round_up(stop) if use_direct else stop
         try:
-            got = os.preadv(direct if use_direct else fd, [view[done:end]], offset + done)
+            got = os.preadv(direct if use_direct and direct is not None else fd, [view[done:end]], offset + done)
         except OSError as exc:
             if not (use_direct and exc.errno == errno.EINVAL):
                 raise

@@ -55,8 +55,11 @@ def _fsync_write(path: Path, data: bytes | memoryview) -> None:
 
 
 def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()  # by blocks: hashlib.file_digest is Python 3.11+, we support 3.10
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_shard(out_dir: Path, number: int, tokens: np.ndarray,
@@ -64,7 +67,7 @@ def write_shard(out_dir: Path, number: int, tokens: np.ndarray,
     """Write shard `number` (final-dtype tokens, shard-relative doc starts); return its index entry."""
     assert tokens.dtype.byteorder in "<|=" and len(tokens) > 0, (tokens.dtype, len(tokens))
     stem = f"shard-{number:05d}"
-    data = memoryview(np.ascontiguousarray(tokens)).cast("B")
+    data = np.ascontiguousarray(tokens).data.cast("B")
     _fsync_write(out_dir / f"{stem}.bin", data)
     docs_path = out_dir / f"{stem}.docs.npy"
     with open(docs_path, "wb") as f:

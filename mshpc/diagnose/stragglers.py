@@ -99,8 +99,8 @@ class StragglerDetector:
 
     def __init__(self, cfg: DiagnoseConfig, ranks: list[RankInfo]) -> None:
         self.cfg, self.ranks = cfg, ranks
-        self._relative = {c: collections.deque(maxlen=cfg.straggler_window_steps) for c in BLAMED}
-        self._seconds = {c: collections.deque(maxlen=cfg.straggler_history_steps) for c in BLAMED}
+        self._relative: dict[str, collections.deque[np.ndarray]] = {c: collections.deque(maxlen=cfg.straggler_window_steps) for c in BLAMED}
+        self._seconds: dict[str, collections.deque[np.ndarray]] = {c: collections.deque(maxlen=cfg.straggler_history_steps) for c in BLAMED}
         self.flagged: dict[int, Straggler] = {}  # by index in `ranks`
         self.last_step = -1
         self._floor = 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,8 @@ def _varlen_attn() -> Callable[..., torch.Tensor] | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn
+    # a bare Tensor back unless return_aux is asked for, which we never do
+    return cast(Callable[..., torch.Tensor], varlen_attn)
 
 
 def flash_window_supported(q: torch.Tensor, dropout_p: float) -> tuple[bool, str]:
@@ -93,7 +95,9 @@ def flash_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
     # each sequence of the batch is one variable-length segment of the packed (b * s) tokens
     cu_seq = torch.arange(0, (b + 1) * s, s, device=q.device, dtype=torch.int32)
     packed = [t.reshape(b * s, nh, hd) for t in (q, k, v)]
-    y = _varlen_attn()(*packed, cu_seq, cu_seq, s, s, window_size=(window - 1, 0))  # (b * s, nh, hd)
+    varlen_attn = _varlen_attn()
+    assert varlen_attn is not None, "the window kernel is chosen only where varlen_attn imports"
+    y = varlen_attn(*packed, cu_seq, cu_seq, s, s, window_size=(window - 1, 0))  # (b * s, nh, hd)
     return y.view(b, s, nh, hd)
 
 
@@ -103,6 +107,11 @@ class CausalSelfAttention(nn.Module):
     a narrower sliding window takes FlashAttention's own window where it can run (CUDA, half
     precision, no dropout) and otherwise SDPA with a boolean mask. A document mask
     (`document_mask`), when given, replaces both."""
+
+    # buffers, registered in __init__ (nn.Module's attribute lookup types them Tensor | Module)
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    mask: torch.Tensor | None  # None where the window spans seq_len
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -151,6 +160,7 @@ class CausalSelfAttention(nn.Module):
         elif s <= self.window:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         else:
+            assert self.mask is not None  # window < s <= seq_len, so __init__ built it
             # The window mask depends only on (i, j), so a shorter input uses its top-left corner.
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:s, :s], dropout_p=dropout_p)
         return y.transpose(1, 2)
