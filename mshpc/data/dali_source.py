@@ -22,7 +22,7 @@ DALI_PREFETCH = 2  # DALI's own queue, in front of the loader thread's
 def dali_missing() -> str | None:
     """None when DALI imports here, else why it does not (for the loader choice's log line)."""
     try:
-        import nvidia.dali  # noqa: F401
+        import nvidia.dali  # noqa: F401  imported only to learn whether it imports
     except ImportError as exc:
         return f"DALI is not installed ({exc}; pip install nvidia-dali-cuda130)"
     return None
@@ -34,8 +34,8 @@ def build_pipeline(windows: WindowReader, dp_rank: int, start_step: int, device:
     start_step + i: (b, s + 1), on `device`. An exception of the reading goes into `errors`
     too: DALI re-raises it only as text inside its own RuntimeError."""
     import nvidia.dali.fn as fn
-    import nvidia.dali.types as types
     from nvidia.dali.pipeline import Pipeline
+    from nvidia.dali.types import DALIDataType
 
     def read(info: Any) -> np.ndarray:  # runs on the thread that calls pipe.run(): the loader's
         try:
@@ -48,12 +48,12 @@ def build_pipeline(windows: WindowReader, dp_rank: int, start_step: int, device:
     device_id = (torch.cuda.current_device() if device.index is None else device.index) if on_gpu else None
     pipe = Pipeline(batch_size=windows.local_batch, num_threads=threads, device_id=device_id,
                     prefetch_queue_depth=DALI_PREFETCH)
-    dtype = types.UINT16 if windows.dataset.dtype.itemsize == 2 else types.UINT32
+    dtype = DALIDataType.UINT16 if windows.dataset.dtype.itemsize == 2 else DALIDataType.UINT32
     with pipe:
         rows = fn.external_source(source=read, batch=True, batch_info=True, dtype=dtype, ndim=1)
         if on_gpu:
             rows = rows.gpu()
-        pipe.set_outputs(fn.cast(rows, dtype=types.INT64))
+        pipe.set_outputs(fn.cast(rows, dtype=DALIDataType.INT64))
     pipe.build()
     return pipe
 

@@ -8,12 +8,12 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; must precede pyplot's import
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from mshpc.diagnose.analysis import Analysis, tflops_series  # noqa: E402
-from mshpc.diagnose.timers import CATEGORIES  # noqa: E402
-from mshpc.diagnose.timings import RankInfo  # noqa: E402
+from mshpc.diagnose.analysis import Analysis, tflops_series
+from mshpc.diagnose.timers import CATEGORIES
+from mshpc.diagnose.timings import RankInfo
 
 DPI = 110
 COLOURS = {"compute": "#4878d0", "communication": "#ee854a", "data wait": "#6acc64", "bubble": "#d65f5f",

@@ -95,7 +95,7 @@ def _rope_backward(ctx: Any, dy: torch.Tensor) -> tuple:
 # ---------------------------------------------------------------- fake (meta) implementations
 
 
-def _add_norm_fake(x, residual, weight, bias, eps, rms):  # type: ignore[no-untyped-def]
+def _add_norm_fake(x, residual, weight, bias, eps, rms):
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     rows = x.numel() // weight.numel()
     acc = compute_dtype(dtype)
@@ -104,26 +104,26 @@ def _add_norm_fake(x, residual, weight, bias, eps, rms):  # type: ignore[no-unty
             x.new_empty((0 if rms else rows,), dtype=acc), x.new_empty((rows,), dtype=acc))
 
 
-def _add_norm_backward_fake(dy, dsum, s, weight, mean, rstd, rms):  # type: ignore[no-untyped-def]
+def _add_norm_backward_fake(dy, dsum, s, weight, mean, rstd, rms):
     acc = compute_dtype(s.dtype)
     return (torch.empty_like(s, memory_format=torch.contiguous_format), torch.empty_like(weight),
             s.new_empty((0,) if rms else (weight.numel(),), dtype=acc))
 
 
-def _bias_gelu_fake(x, bias):  # type: ignore[no-untyped-def]
+def _bias_gelu_fake(x, bias):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _bias_gelu_backward_fake(dy, x, bias):  # type: ignore[no-untyped-def]
+def _bias_gelu_backward_fake(dy, x, bias):
     dbias = x.new_empty((0,)) if bias is None else torch.empty_like(bias)
     return torch.empty_like(x, memory_format=torch.contiguous_format), dbias
 
 
-def _rope_fake(x, cos, sin, inverse):  # type: ignore[no-untyped-def]
+def _rope_fake(x, cos, sin, inverse):
     return x.new_empty(x.shape)
 
 
-def _lamb_direction_fake(params, grads, exp_avgs, exp_avg_sqs, weight_decays, beta1, beta2, eps, step):  # type: ignore[no-untyped-def]
+def _lamb_direction_fake(params, grads, exp_avgs, exp_avg_sqs, weight_decays, beta1, beta2, eps, step):
     return torch.empty((len(params), 2), dtype=torch.float32,
                        device=params[0].device if params else "cpu")
 

@@ -108,6 +108,7 @@ def all_finished(states: dict[int, RankState]) -> bool:
 def stop_request(states: dict[int, RankState]) -> int | None:
     """The exit code of a requested stop (the preemption checkpoint), once a rank reports one."""
     for s in states.values():
-        if (s.outcome or {}).get("how") == "stopped":
-            return int(s.outcome["code"] or 0)  # type: ignore[index]
+        outcome = s.outcome or {}
+        if outcome.get("how") == "stopped":
+            return int(outcome["code"] or 0)
     return None

@@ -31,7 +31,7 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's own optimizers' signature
         """Update every parameter that has a gradient; closure, if given, recomputes the loss."""
         loss = None
         if closure is not None:

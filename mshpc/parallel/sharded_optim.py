@@ -12,7 +12,7 @@ after).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ class ShardedLamb(Lamb):
         self.tp_group, self.tp_whole = tp_group, sorted(tp_whole)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's own optimizers' signature
         """Update every piece; every dp rank must call it (one all-reduce of 2 * n_params)."""
         assert closure is None, "ShardedLamb.step takes no closure"
         pieces = [(p, group, owner) for group in self.param_groups
@@ -96,7 +96,7 @@ class FusedShardedLamb(ShardedLamb):
         steps = advance_steps(states)
         assert len(set(steps)) == 1, "ZeRO pieces always have gradients, so they step together"
         beta1, beta2 = self.defaults["betas"]
-        grads = [p.grad for p in params]
+        grads = [cast(torch.Tensor, p.grad) for p in params]  # step() passes only pieces with one
         norms_sq = mshpc_ops.multi_tensor_lamb_direction(
             params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             [float(group["weight_decay"]) for _, group, _ in pieces], beta1, beta2, self.defaults["eps"], steps[0])
