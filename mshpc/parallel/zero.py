@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -245,6 +246,7 @@ class ZeroEngine:
         if p.grad is not view:
             # A parameter in another dtype (bf16 copies), or .grad reset to None: accumulate in
             # the fp32 bucket and point .grad back at it where the dtypes allow.
+            assert p.grad is not None  # the hook runs after autograd has accumulated it
             view.add_(p.grad)
             p.grad = view if p.dtype == view.dtype else None
         if self._sync and self.overlap:
@@ -267,7 +269,8 @@ class ZeroEngine:
         max_norm; an all-reduce of a scalar over the dp group, and one over the model-parallel
         group. Each parameter counts once, as in the unsplit model: a tp-replicated one on tp rank
         0, a tied one on the first rank of its tied group."""
-        counted = [p.tensor.grad for p in self.pieces if p.saved and self.mp.counts_tied(p.name)]
+        # a piece's grad is its span of the reduced shard, set once when the engine is built
+        counted = [cast(torch.Tensor, p.tensor.grad) for p in self.pieces if p.saved and self.mp.counts_tied(p.name)]
         norm_sq = torch.stack(torch._foreach_norm(counted)).square().sum() if counted else shards[0].new_zeros(())
         comm.all_reduce(norm_sq, group=self.group)
         if self.mp.norm is not None and dist.get_world_size(self.mp.norm) > 1:
