@@ -104,6 +104,11 @@ class GPT(nn.Module):
     full-model name; a stage without the embedding takes hidden states (b, s, d), one without
     the head returns them."""
 
+    # None on a pipeline stage that does not own the part
+    tok_embeddings: nn.Embedding | None
+    norm: RMSNorm | LayerNorm | None
+    lm_head: nn.Linear | None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -130,6 +135,7 @@ class GPT(nn.Module):
                 if name.endswith("bias") and p is not None:  # norm, linear and fc_bias
                     nn.init.zeros_(p)
         for layer in self.layers.values():
+            assert isinstance(layer, Block)  # layers holds nothing else
             for proj in (layer.attn.proj, layer.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
 
@@ -145,6 +151,7 @@ class GPT(nn.Module):
             x = layer(x, mask)
         if self.lm_head is None:
             return x
+        assert self.norm is not None  # a stage with the head has the final norm too
         h, _ = self.norm(x)
         return self.lm_head(h).float()  # (b, s, vocab)
 
@@ -153,6 +160,7 @@ class GPT(nn.Module):
         token embedding and an untied lm head: Kaplan et al. 2020's non-embedding N."""
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
+            assert self.tok_embeddings is not None and self.lm_head is not None, "a whole model's count"
             n -= self.tok_embeddings.weight.numel()
             if not self.cfg.tie_embeddings:
                 n -= self.lm_head.weight.numel()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] 
 # ---------------------------------------------------------------- tensor + sequence parallelism
 
 
-def _blocks(model: nn.Module) -> Iterable[nn.Module]:
+def _blocks(model: nn.Module) -> Iterable[Any]:  # Any: their parts get swapped for parallel twins
     layers = getattr(model, "layers", None) or []
     return layers.values() if isinstance(layers, nn.ModuleDict) else layers
 
@@ -81,11 +82,11 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
     vocab_start = 0 if table is None else _part(table.weight.shape[0], group).start
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     if embedding is not None:
-        model.tok_embeddings = VocabParallelEmbedding(_local(embedding.weight, ROWS, group), vocab_start, group)
+        model.tok_embeddings = vocab = VocabParallelEmbedding(_local(embedding.weight, ROWS, group), vocab_start, group)
     if head is not None:
-        model.lm_head = ColumnParallelLinear(_local(head.weight, ROWS, group), group, chunks)
+        model.lm_head = lm_head = ColumnParallelLinear(_local(head.weight, ROWS, group), group, chunks)
         if tied:
-            model.lm_head.weight = model.tok_embeddings.weight
+            lm_head.weight = vocab.weight
     for block in _blocks(model):
         attn, mlp = block.attn, block.mlp
         attn.qkv = ColumnParallelLinear(_local(attn.qkv.weight, QKV_ROWS, group), group, chunks, QKV_ROWS)

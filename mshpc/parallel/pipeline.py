@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn, parallelize
 from mshpc.parallel.mesh import Mesh
-from mshpc.parallel.schedules import LINKS, Action, PipeShape, build_plan, link
+from mshpc.parallel.schedules import LINKS, Action, Op, PipeShape, build_plan, link
 from mshpc.parallel.zero import ZeroEngine
 
 TIED = ("tok_embeddings.weight", "lm_head.weight")  # the first stage's and the last stage's names
@@ -155,7 +156,8 @@ class PipelineRunner:
         state.pending[a] = (comm.isend(tensor, self.links.ranks[peer], self.links.groups[name]), tensor)
 
     def _wait(self, a: Action, state: _StepState) -> None:
-        self._landed(Action(a.op.removeprefix("wait_"), a.micro, a.stage), state)  # type: ignore[arg-type]
+        done = cast(Op, a.op.removeprefix("wait_"))  # wait_<op> waits for <op>, itself an Op
+        self._landed(Action(done, a.micro, a.stage), state)
 
     def _landed(self, a: Action, state: _StepState) -> torch.Tensor:
         """Wait for communication `a`; its buffer is then free (a send's) or full (a receive's)."""
@@ -188,6 +190,7 @@ class PipelineRunner:
             self.engine.backward(out, sync=self.last_backward[a.stage] == a, grad=grad, flush=a == self.final)
         x = state.inputs.pop((a.micro, a.stage))
         if a.stage > 0:
+            assert x.grad is not None  # x was received with requires_grad_(), and backward ran
             state.input_grads[a.micro, a.stage] = x.grad
 
 
