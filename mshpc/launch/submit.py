@@ -53,10 +53,11 @@ def time_minutes(limit: int | str) -> int:
     m = _TIME.match(limit.strip())
     if m is None:
         raise ConfigError(f"time={limit!r} is not a Slurm time limit (e.g. 90, '01:30:00', '2-00:00:00')")
-    days, a, b, c = (int(g) if g else None for g in m.groups())
+    days, b, c = (int(g) if g else None for g in m.group(1, 3, 4))
+    a = int(m.group(2))  # the one group the pattern requires
     if days is not None:  # D-HH, D-HH:MM, D-HH:MM:SS
         seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
-    elif c is not None:  # HH:MM:SS
+    elif b is not None and c is not None:  # HH:MM:SS (c is only ever set with b)
         seconds = a * 3600 + b * 60 + c
     else:  # MM or MM:SS
         seconds = a * 60 + (b or 0)
