@@ -68,7 +68,7 @@ def build_op(op: str, size_bytes: int, group: Group, rank: int, device: torch.de
     m = max(1, size_bytes // ELEMENT_BYTES // (1 if op in ("all_reduce", "sendrecv") else n))
     if op == "all_reduce":
         buf, spare = pattern(g, m, device), torch.zeros(m, device=device)
-        total = sum(pattern(j, m, device) for j in range(n))
+        total = sum((pattern(j, m, device) for j in range(n)), torch.zeros(m, device=device))
         return Op(lambda: comm.all_reduce(buf, pg), lambda: total, buf, lambda: comm.all_reduce(spare, pg)), m * 4
     if op == "sendrecv":
         nxt, prev = group.ranks[(g + 1) % n], group.ranks[(g - 1) % n]
@@ -82,7 +82,7 @@ def build_op(op: str, size_bytes: int, group: Group, rank: int, device: torch.de
                   out, lambda: comm.all_gather(out, inp, pg)), n * m * 4
     inp, out = pattern(g, n * m, device), torch.empty(m, device=device)
     if op == "reduce_scatter":
-        total = sum(pattern(j, m, device, offset=g * m) for j in range(n))
+        total = sum((pattern(j, m, device, offset=g * m) for j in range(n)), torch.zeros(m, device=device))
         return Op(lambda: comm.reduce_scatter(out, inp, pg), lambda: total, out,
                   lambda: comm.reduce_scatter(out, inp, pg)), n * m * 4
     assert op == "all_to_all", op
@@ -109,8 +109,9 @@ def measure(op: Op, group: Group, sync: Callable[[], None], warmup: int, iters: 
 
 
 def _rank_ranges(ranks: list[int]) -> str:
-    spans, start = [], ranks[0]
-    for prev, cur in zip(ranks, ranks[1:] + [None]):
+    spans: list[str] = []
+    start: int | None = ranks[0]
+    for prev, cur in zip(ranks, [*ranks[1:], None], strict=True):
         if cur != prev + 1:
             spans.append(str(start) if start == prev else f"{start}-{prev}")
             start = cur

@@ -155,4 +155,4 @@ def host_copy_gbps(target: Target, reps: int, rep_s: float) -> list[Record]:
     d2h = best_rate(lambda: host.copy_(dev, non_blocking=True), HOST_COPY_BYTES, target, reps, rep_s)
     detail = f"{HOST_COPY_BYTES >> 20} MiB, pinned"
     return [Record("", target.label, t, rate / 1e9, "GB/s", kind=target.kind, detail=detail)
-            for t, rate in zip(tests, (h2d, d2h))]
+            for t, rate in zip(tests, (h2d, d2h), strict=True)]

@@ -38,7 +38,8 @@ def schedule(n: int, max_nodes: int, bisections: int, seed: int = 0) -> list[lis
     rounds = []
     for _ in range(bisections):
         order = rng.sample(range(n), n)
-        rounds.append([(min(a, b), max(a, b)) for a, b in zip(order[0::2], order[1::2])])
+        # strict=False: with an odd n the last node drawn sits this round out
+        rounds.append([(min(a, b), max(a, b)) for a, b in zip(order[0::2], order[1::2], strict=False)])
     return rounds
 
 

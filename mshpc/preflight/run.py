@@ -12,17 +12,17 @@ import torch.distributed as dist
 
 from mshpc.config import PreflightConfig
 from mshpc.faults import Fault, parse_faults
-from mshpc.launch.env import LaunchEnv
 from mshpc.launch.drain import drain
+from mshpc.launch.env import LaunchEnv
 from mshpc.launch.rendezvous import init_distributed, shutdown_distributed
 from mshpc.parallel import comm
 from mshpc.preflight.collectives import collective_records
 from mshpc.preflight.device import Target, build_target
 from mshpc.preflight.links import link_records
+from mshpc.preflight.options import VERDICT_FAIL_EXIT, Options, check_options
 from mshpc.preflight.record import Record
 from mshpc.preflight.stages import Budget, Layout, collective_stage, device_stage, pair_stage
 from mshpc.preflight.thresholds import load_thresholds
-from mshpc.preflight.options import VERDICT_FAIL_EXIT, Options, check_options
 from mshpc.preflight.tiers import Tier
 from mshpc.preflight.verdict import Verdict, judge, table, verdict, write_exclude, write_json
 
@@ -68,7 +68,7 @@ def _measure(layout: Layout, target: Target, level: Tier, cfg: PreflightConfig, 
     records = [Record.from_json(r) for g in gathered for r in g["records"]]
     records += collective_records([c for g in gathered for c in g["collectives"]], layout.node_of_rank,
                                   layout.kind_of_rank)
-    kind_of_node = dict(zip(layout.node_of_rank, layout.kind_of_rank))
+    kind_of_node = dict(zip(layout.node_of_rank, layout.kind_of_rank, strict=True))
     records += link_records([p for g in gathered for p in g["pairs"]], kind_of_node)
     skips = {r["detail"]: r for g in gathered for r in g["skipped"]}  # every rank skipped alike
     return records + [Record.from_json(r) for r in skips.values()]

@@ -63,18 +63,18 @@ def _absolute(records: list[Record], th: Thresholds) -> list[Record]:
 def _fleet(records: list[Record], th: Thresholds) -> list[Record]:
     """Each fleet-ruled metric against the median of the same metric on the same device type."""
     judged = _largest_sizes(records)
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str], list[tuple[int, float]]] = {}  # (index, value) by (test, kind)
     for i, r in enumerate(records):
         if r.test in th.fleet and r.value is not None and r.status in ("info", "pass", "warn") and i in judged:
-            groups.setdefault((r.test, r.kind), []).append(i)
+            groups.setdefault((r.test, r.kind), []).append((i, r.value))
     out = list(records)
     for (test, _), members in groups.items():
-        median = statistics.median(records[i].value for i in members)  # type: ignore[misc]
+        median = statistics.median(value for _, value in members)
         rule, better = th.fleet[test], METRICS[test][1] or "higher"
-        for i in members:
+        for i, value in members:
             r = records[i]
             own = r.status if r.status != "info" else "pass"  # the device-type limit's verdict, if any
-            status = worst([_grade(r.value, rule, better, median), own])  # type: ignore[arg-type]
+            status = worst([_grade(value, rule, better, median), own])
             limit = _describe(rule, better, f" x median {median:.4g}")
             out[i] = dataclasses.replace(r, status=status, threshold="; ".join(filter(None, [r.threshold, limit])))
     return out
@@ -134,7 +134,7 @@ def table(v: Verdict) -> str:
         size = "" if r.size_bytes is None else f"{r.size_bytes / 2**20:g}M"
         rows.append((r.node, r.device, r.test, size, _value(r), r.unit, r.status.upper(), r.threshold or r.detail))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
     lines += [f"node {node}: {status.upper()}" for node, status in v.nodes.items()]
     failed = compress(v.failed_nodes)
     lines.append(f"preflight: {v.status.upper()}" + (f"; exclude {failed}" if failed else ""))
