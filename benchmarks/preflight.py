@@ -19,9 +19,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from mshpc.launch.netns import run_ranks
 from mshpc.launch.ports import free_port
 from mshpc.preflight.tiers import TIERS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the namespace fabric is test harness
+
+from support.netns import run_ranks  # noqa: E402  (found through the path above)
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = tuple(64 * 1024 << (2 * i) for i in range(5))  # 64 KiB .. 16 MiB, x4

@@ -1,7 +1,7 @@
 """Two ranks of a benchmark on a rate-limited link, and side-by-side step timing (shared by
 dp_overlap.py and tp_overlap.py).
 
-The two ranks run as two nodes of a namespace fabric (mshpc/launch/netns.py) with a `tc`
+The two ranks run as two nodes of a namespace fabric (tests/support/netns.py) with a `tc`
 token-bucket rate limit on each node's link (addresses on that private bridge only: nothing
 leaves the machine); then once more with the limit removed. Without root or iproute2 they run
 on loopback, and say so.
@@ -18,7 +18,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from mshpc.launch.netns import Fabric, run_ranks, why_unavailable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the namespace fabric is test harness
+
+from support.netns import Fabric, run_ranks, why_unavailable  # noqa: E402  (found through the path above)
 
 REPO = Path(__file__).resolve().parents[1]
 PORT = 29500  # free by construction: the namespaces are new

@@ -3,7 +3,7 @@ off: tests/faults has the supervisor's restarts)."""
 
 import time
 
-from cli_runner import mshpc, train_args
+from support.cli_runner import mshpc, train_args
 
 
 def test_a_rank_that_raises_is_named_with_its_error(tmp_path, corpus_cache):

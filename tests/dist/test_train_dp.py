@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli_runner import mshpc, read_metrics, train_args
+from support.cli_runner import mshpc, read_metrics, train_args
 
 STEPS = "train.steps=6"
 

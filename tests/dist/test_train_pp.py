@@ -6,7 +6,7 @@ fp tolerance: the sums' order changes with the layout)."""
 import numpy as np
 import pytest
 
-from ckpt_runs import final_params, kill_and_resume, losses, run
+from support.ckpt_runs import final_params, kill_and_resume, losses, run
 
 PP2 = ["parallel.pp=2", "train.micro_batch=4", "train.grad_accum=4"]  # 16 sequences, 4 micro-batches
 ONE = ["train.micro_batch=16"]  # the same global batch on one rank

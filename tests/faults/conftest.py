@@ -1,8 +1,8 @@
 import pytest
 
-from ckpt_runs import final_params
-from cli_runner import read_metrics
-from fault_runs import supervised
+from support.ckpt_runs import final_params
+from support.cli_runner import read_metrics
+from support.fault_runs import supervised
 
 
 @pytest.fixture(scope="session")

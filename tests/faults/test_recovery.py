@@ -4,7 +4,7 @@ recovered from on its own, ending with bitwise the parameters of an undisturbed 
 import os
 import random
 
-from fault_runs import assert_recovered_exactly, assert_story, events, kinds, one, supervised
+from support.fault_runs import assert_recovered_exactly, assert_story, events, kinds, one, supervised
 
 
 def test_kill_9_at_a_random_step(reference, tmp_path, corpus_cache):

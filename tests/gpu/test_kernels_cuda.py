@@ -1,5 +1,5 @@
 """The CUDA kernels against the pure-torch references on a GPU: the CPU tests' cases
-(tests/kernel_cases.py) on device "cuda", plus what only a GPU has: the CUDA kernels against
+(tests/support/kernel_cases.py) on device "cuda", plus what only a GPU has: the CUDA kernels against
 their CPU twins, wide rows, determinism, FlashAttention's sliding window, inductor, and the
 model under bf16 autocast. Skipped, with the reason, where no CUDA device is visible."""
 
@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernel_cases import (NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm, check_norm,
+from support.kernel_cases import (NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm, check_norm,
                           check_rope, grads_of, norm_args, rand)
 from mshpc.config import ModelConfig
 from mshpc.kernels import build, ops

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from cli_runner import mshpc
+from support.cli_runner import mshpc
 from mshpc.preflight import device as dev
 from mshpc.preflight.burn import burn
 from mshpc.preflight.nvml import Nvml, health

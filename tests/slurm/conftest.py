@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import REPO, SMALL, read_metrics
+from support.cli_runner import REPO, SMALL, read_metrics
 
 CLUSTER_SH = REPO / "tests/slurm/cluster.sh"
 VENV_BIN = Path(sys.executable).parent

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from cli_runner import REPO
+from support.cli_runner import REPO
 
 pytestmark = pytest.mark.slurm
 
-SHARED = f"--set preflight.thresholds={REPO / 'tests/preflight_thresholds.yaml'}"
+SHARED = f"--set preflight.thresholds={REPO / 'tests/support/preflight_thresholds.yaml'}"
 
 
 def verdict(slurm, folder: str) -> dict:

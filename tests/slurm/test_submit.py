@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import mshpc
-from cli_runner import REPO, SMALL
+from support.cli_runner import REPO, SMALL
 from mshpc.config import load_config
 from mshpc.errors import ConfigError
 

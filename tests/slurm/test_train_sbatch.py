@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import REPO, read_metrics
+from support.cli_runner import REPO, read_metrics
 
 pytestmark = pytest.mark.slurm
 

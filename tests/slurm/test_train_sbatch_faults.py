@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cli_runner import REPO, read_metrics
+from support.cli_runner import REPO, read_metrics
 
 pytestmark = pytest.mark.slurm
 

@@ -1,6 +1,6 @@
 import pytest
 
-from ckpt_runs import run
+from support.ckpt_runs import run
 
 
 @pytest.fixture(scope="session")

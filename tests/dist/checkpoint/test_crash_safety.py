@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ckpt_runs import final_params, losses, run
-from cli_runner import mshpc, read_metrics
+from support.ckpt_runs import final_params, losses, run
+from support.cli_runner import mshpc, read_metrics
 
 
 def assert_same_final_model(a_root, b_root):

@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckpt_runs import sharded_checkpoint
+from support.ckpt_runs import sharded_checkpoint
 from mshpc.checkpoint.group_read import load_for_group, plan_reads
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.shard_read import entry_nbytes
 from mshpc.errors import CheckpointError
-from rank_runner import run_ranks
+from support.rank_runner import run_ranks
 
 SAVED_DP = 2
 SHAPES = {"master/w": (64, 100), "optim.exp_avg/w": (64, 100), "master/b": (300,)}

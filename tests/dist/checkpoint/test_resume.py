@@ -6,8 +6,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from ckpt_runs import STEPS, final_params, losses, run
-from cli_runner import mshpc, read_metrics
+from support.ckpt_runs import STEPS, final_params, losses, run
+from support.cli_runner import mshpc, read_metrics
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.shard_read import entry_nbytes
 from mshpc.events import read_events

@@ -6,7 +6,7 @@ order of the sums changes with the layout)."""
 import numpy as np
 import pytest
 
-from ckpt_runs import final_params, kill_and_resume, losses, run
+from support.ckpt_runs import final_params, kill_and_resume, losses, run
 
 TP2 = ["parallel.tp=2", "train.micro_batch=16"]  # dp=1: the straight run's global batch of 16
 

@@ -17,8 +17,8 @@ from mshpc.data.node_reader import NodeReader, ReaderScope
 from mshpc.data.pipeline import build_loader
 from mshpc.data.shards import TokenDataset
 from mshpc.errors import DataError, MshpcError
-from rank_runner import RankError, run_ranks
-from token_data import holds_shared_ring, make_random_dataset, wait_until_full
+from support.rank_runner import RankError, run_ranks
+from support.token_data import holds_shared_ring, make_random_dataset, wait_until_full
 
 SEQ, BATCH, SEED, START = 32, 8, 7, 3
 WORLD = 4

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import mshpc, read_metrics, train_args
-from token_data import make_random_dataset
+from support.cli_runner import mshpc, read_metrics, train_args
+from support.token_data import make_random_dataset
 
 
 def run(tmp_path: Path, cache: Path, name: str, *overrides: str) -> tuple[list[float], str]:

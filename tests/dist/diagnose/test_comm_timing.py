@@ -7,7 +7,7 @@ import torch
 
 from mshpc.diagnose.timers import TIMERS
 from mshpc.parallel import comm
-from rank_runner import run_ranks
+from support.rank_runner import run_ranks
 
 
 def timed_collectives(rank: int, world: int) -> dict:

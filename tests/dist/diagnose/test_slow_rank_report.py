@@ -4,7 +4,7 @@ opens from disk."""
 
 import re
 
-from cli_runner import mshpc, train_args
+from support.cli_runner import mshpc, train_args
 from mshpc.diagnose.stragglers import eviction_candidates
 from mshpc.events import read_events
 

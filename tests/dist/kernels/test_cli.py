@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from cli_runner import mshpc, read_metrics, train_args
+from support.cli_runner import mshpc, read_metrics, train_args
 
 # PATH without ninja or a compiler: the kernels cannot be built or loaded (torch runs ninja
 # even for a cached build), which is the state of a machine without a toolchain.

@@ -3,7 +3,7 @@ blocks, sums in a fixed order), so a killed and resumed run equals an uninterrup
 
 import numpy as np
 
-from ckpt_runs import final_params, losses, run
+from support.ckpt_runs import final_params, losses, run
 
 # dp=2 with LAMB: the sharded multi-tensor step and its all-reduced norms, plus every model op
 FUSED = ("model.fused_kernels=on", "optim.name=lamb", "model.norm=layernorm", "model.mlp_bias=true")

@@ -20,7 +20,7 @@ from mshpc.kernels.dispatch import FUSED, REFERENCE, select_kernels
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel import comm
 from mshpc.parallel.zero_build import build_zero_engine
-from rank_runner import run_ranks
+from support.rank_runner import run_ranks
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 CASES = {  # between them every fused op: both norms with and without residual, bias+GeLU, RoPE

@@ -4,7 +4,7 @@ several messages (and a last, shorter one), and their entries in the flight reco
 import torch
 
 from mshpc.parallel import comm
-from rank_runner import run_ranks
+from support.rank_runner import run_ranks
 
 N = comm.GLOO_MESSAGE_BYTES // 4 * 2 + 1000  # per-rank fp32 elements: 3 pieces, the last short
 

@@ -5,7 +5,7 @@ import torch
 
 from mshpc.parallel import comm
 from mshpc.parallel.mesh import GROUP_NAMES, MeshShape, build_mesh
-from rank_runner import run_ranks
+from support.rank_runner import run_ranks
 
 SHAPE = MeshShape(pp=2, dp=2, tp=2)
 

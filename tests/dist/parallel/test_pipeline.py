@@ -27,8 +27,8 @@ from mshpc.parallel.apply import apply_tp
 from mshpc.parallel.mesh import Mesh, MeshShape, build_mesh
 from mshpc.parallel.pipeline import TIED, build_pipeline, pipeline_train_step
 from mshpc.parallel.schedules import peak_live
-from rank_runner import run_ranks
-from single_rank import train_single_rank
+from support.rank_runner import run_ranks
+from support.single_rank import train_single_rank
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 GLOBAL_BATCH = 8

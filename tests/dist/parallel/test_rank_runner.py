@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rank_runner import RankError, run_ranks
+from support.rank_runner import RankError, run_ranks
 
 
 def fail_on_rank_1(rank: int, world: int) -> int:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from mshpc.parallel.mesh import MeshShape, build_mesh
 from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    vocab_parallel_cross_entropy)
-from rank_runner import run_ranks
+from support.rank_runner import run_ranks
 
 B, S, D_IN, D_OUT, VOCAB = 2, 12, 8, 6, 7  # VOCAB=7: uneven shards of 4 and 3 rows
 ALIGNED_S = 64  # tp=2, 2 chunks: GEMMs of B*2*16 = 64 rows, and 128 unchunked

@@ -23,8 +23,8 @@ from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
 from mshpc.parallel.apply import Parallelized, parallelize
 from mshpc.parallel.mesh import MeshShape, build_mesh
-from rank_runner import run_ranks
-from single_rank import train_single_rank
+from support.rank_runner import run_ranks
+from support.single_rank import train_single_rank
 
 # vocab 63: uneven vocab shards (31 + 32 rows); seq 32: 16 per tp rank, 2 chunks of 8
 TINY = ModelConfig(vocab_size=63, seq_len=32, n_layer=2, n_head=4, d_model=32)

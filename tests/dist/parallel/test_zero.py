@@ -17,8 +17,8 @@ from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel import comm
 from mshpc.parallel.zero import ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine
-from rank_runner import run_ranks
-from single_rank import train_single_rank
+from support.rank_runner import run_ranks
+from support.single_rank import train_single_rank
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 BUCKET_MB = 16 / 1024  # 16 KiB: 10 buckets for this model, so there is something to overlap

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from cli_runner import REPO, mshpc
-from mshpc.launch.netns import Fabric, run_ranks, why_unavailable
+from support.cli_runner import REPO, mshpc
+from support.netns import Fabric, run_ranks, why_unavailable
 from mshpc.launch.ports import free_port
 
-THRESHOLDS = REPO / "tests/preflight_thresholds.yaml"
+THRESHOLDS = REPO / "tests/support/preflight_thresholds.yaml"
 SHARED = ["--set", f"preflight.thresholds={THRESHOLDS}"]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "sendrecv")
 

@@ -17,7 +17,7 @@ from mshpc.data.pipeline import build_loader
 from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
 from mshpc.model.gpt import GPT
-from token_data import make_random_dataset
+from support.token_data import make_random_dataset
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (DALI's GPU operators, pinned memory, SDPA on device)")

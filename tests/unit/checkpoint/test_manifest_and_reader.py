@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from ckpt_runs import sharded_checkpoint
+from support.ckpt_runs import sharded_checkpoint
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.errors import CheckpointError

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ckpt_runs import sharded_checkpoint
+from support.ckpt_runs import sharded_checkpoint
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mshpc.data.shards import TokenDataset
-from token_data import make_random_dataset
+from support.token_data import make_random_dataset
 
 # In the order prepare walks them: a folder's files (sorted) before its subfolders.
 _DOCS = {

@@ -16,7 +16,7 @@ from mshpc.data.pipeline import build_loader
 from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
 from mshpc.errors import DataError
-from token_data import wait_until_full
+from support.token_data import wait_until_full
 
 SEQ, BATCH, SEED = 32, 8, 7
 

@@ -5,11 +5,11 @@ import json
 
 import yaml
 
-from cli_runner import mshpc
+from support.cli_runner import mshpc
 from mshpc.config import load_config, to_dict
 from mshpc.diagnose.analysis import analyse
 from mshpc.events import append_event
-from synthetic_timings import MESH, synthetic, write_files
+from support.synthetic_timings import MESH, synthetic, write_files
 
 SLOW = 5  # pp=1, dp=0, tp=1
 

@@ -10,7 +10,7 @@ from mshpc.config import DiagnoseConfig
 from mshpc.diagnose.stragglers import StragglerWatch, detect, eviction_candidates, median_of_others
 from mshpc.diagnose.timings import header, rank_file, to_arrays
 from mshpc.events import read_events
-from synthetic_timings import MESH, ranks, synthetic, write_files
+from support.synthetic_timings import MESH, ranks, synthetic, write_files
 
 def run_detector(records, cfg=DiagnoseConfig()):
     return detect(to_arrays(list(zip(ranks(), records))), cfg)

@@ -1,6 +1,6 @@
 """Every fused operator against its pure-torch reference (mshpc.kernels.reference) on CPU:
 forward, gradients (gradcheck in float64), strided inputs, mixed dtypes, and what torch.compile
-needs. The cases and tolerances (bf16: one ulp) are in tests/kernel_cases.py, shared with the
+needs. The cases and tolerances (bf16: one ulp) are in tests/support/kernel_cases.py, shared with the
 CUDA tests in tests/gpu.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import (EPS, NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm, check_norm,
+from support.kernel_cases import (EPS, NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm, check_norm,
                           check_rope, gelu_args, grads_of, norm_args, qkv_slice, rand, tables)
 from mshpc.kernels import ops
 

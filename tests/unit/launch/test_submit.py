@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import mshpc
-from cli_runner import REPO, SMALL
+from support.cli_runner import REPO, SMALL
 from mshpc.errors import ConfigError
 from mshpc.launch.submit import check_slurm_parameters, slurm_parameters, time_minutes
 

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from mshpc.parallel.schedules import PipeShape, bubble_fraction, build_plan, compute_order, link, lower, peak_live
-from pipe_sim import Deadlock, simulate
+from support.pipe_sim import Deadlock, simulate
 
 SHAPES = [PipeShape(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in range(1, 13)
           if v == 1 or m % p == 0]

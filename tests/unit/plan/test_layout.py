@@ -7,7 +7,7 @@ from mshpc.errors import ConfigError
 from mshpc.plan.devices import device_spec
 from mshpc.plan.layout import enumerate_layouts
 from mshpc.plan.report import fit_warning
-from cli_runner import REPO, mshpc
+from support.cli_runner import REPO, mshpc
 
 TINY = REPO / "configs/tiny.yaml"
 

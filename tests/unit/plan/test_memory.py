@@ -11,7 +11,7 @@ from mshpc.plan.layout import Layout
 from mshpc.plan.memory import (
     in_flight_layers, layer_activation_bytes, layer_params, memory, stage_activation_bytes, stage_params,
 )
-from cli_runner import REPO
+from support.cli_runner import REPO
 
 CFG = load_config(REPO / "configs/gpt-175b.yaml")
 M = CFG.model

@@ -10,7 +10,7 @@ from mshpc.diagnose.mfu import flops_per_token
 from mshpc.plan.devices import DEVICES, device_spec
 from mshpc.plan.layout import Layout
 from mshpc.plan.steptime import bubble_fraction, dp_exposed_s, step_time, tp_exposed_s
-from cli_runner import REPO
+from support.cli_runner import REPO
 
 CFG = load_config(REPO / "configs/gpt-175b.yaml")
 # links and memory so fast that only compute and the bubble remain

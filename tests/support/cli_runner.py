@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # A model small enough that a few steps on 2 CPU ranks take seconds.
 SMALL = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.seq_len=32",

@@ -3,8 +3,8 @@
 import json
 from pathlib import Path
 
-from ckpt_runs import final_params
-from cli_runner import mshpc, read_metrics, train_args
+from support.ckpt_runs import final_params
+from support.cli_runner import mshpc, read_metrics, train_args
 
 STEPS = 8
 HEARTBEAT_S = 0.2

@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import torch
 
-from cli_runner import mshpc, read_metrics, train_args
+from support.cli_runner import mshpc, read_metrics, train_args
 from mshpc.checkpoint.h5_shard import write_shard
 from mshpc.checkpoint.manifest import Manifest, write_manifest
 from mshpc.checkpoint.tensor_slice import TensorSlice
