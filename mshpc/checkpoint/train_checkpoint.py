@@ -181,7 +181,7 @@ class TrainCheckpointer:
             self.engine.load_state_slices(relayout.reader(reader))  # collective over dp: re-gathers weights
             apply_rng(rng)
             self.scheduler.load_state_dict(extras["scheduler"])
-            for group, lr in zip(self.optimizer.param_groups, extras["group_lrs"]):
+            for group, lr in zip(self.optimizer.param_groups, extras["group_lrs"], strict=True):
                 group["lr"] = lr
             if extras.get("data") != self._data_position():
                 log.warning("data settings changed since the checkpoint (%s -> %s): the data order "

@@ -50,13 +50,15 @@ class Batch:
         tokens = self.tokens.split(rows)
         if self.segments is None:
             return [Batch(t) for t in tokens]
-        return [Batch(t, s) for t, s in zip(tokens, self.segments.split(rows))]
+        return [Batch(t, s) for t, s in zip(tokens, self.segments.split(rows), strict=True)]
 
     def equal(self, other: Batch) -> bool:
         """Same tokens and same segments (both None counts as the same)."""
-        if (self.segments is None) != (other.segments is None):
-            return False
-        same_segments = self.segments is None or torch.equal(self.segments.cpu(), other.segments.cpu())
+        mine, theirs = self.segments, other.segments
+        if mine is None or theirs is None:
+            same_segments = mine is None and theirs is None
+        else:
+            same_segments = torch.equal(mine.cpu(), theirs.cpu())
         return same_segments and torch.equal(self.tokens.cpu(), other.tokens.cpu())
 
 

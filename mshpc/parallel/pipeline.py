@@ -111,7 +111,7 @@ class _StepState:
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    pending: dict[Action, tuple[dist.Work, torch.Tensor]] = field(default_factory=dict)  # in flight, with its buffer
+    pending: dict[Action, tuple[comm.Pending, torch.Tensor]] = field(default_factory=dict)  # in flight, with its buffer
 
 
 class PipelineRunner:
