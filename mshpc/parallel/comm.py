@@ -9,6 +9,7 @@ hang it tells which collective each rank last entered. The timers time each op a
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import threading
 from collections.abc import Callable
@@ -194,7 +195,7 @@ def _reduce_scatter_gloo(output: torch.Tensor, rows: torch.Tensor, group: dist.P
         send = rows[:, lo:hi].contiguous()  # (size, hi - lo): this piece of every rank's chunk
         received = torch.empty_like(send)
         work = dist.all_to_all_single(received, send, group=group, async_op=True)
-        parts.append((work, lambda r=received, out=output[lo:hi]: torch.sum(r, dim=0, out=out)))
+        parts.append((work, functools.partial(torch.sum, received, dim=0, out=output[lo:hi])))
     return Pieces(parts)
 
 
@@ -228,7 +229,8 @@ def _all_gather_gloo(rows: torch.Tensor, input: torch.Tensor, group: dist.Proces
     for lo, hi in pieces:
         received = torch.empty(rows.shape[0] * (hi - lo), dtype=rows.dtype, device=rows.device)
         work = _all_gather_single(received, input[lo:hi], group=group, async_op=True)
-        parts.append((work, lambda r=received, out=rows[:, lo:hi]: out.copy_(r.view(out.shape))))
+        out = rows[:, lo:hi]
+        parts.append((work, functools.partial(out.copy_, received.view(out.shape))))
     return Pieces(parts)
 
 
@@ -244,22 +246,26 @@ def _finish(done: Pieces, async_op: bool) -> Pieces | None:
     return None
 
 
-def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> dist.Work:
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> Pending:
     """Point-to-point: start sending `tensor` to global rank `dst` of `group`; the tensor must
     stay untouched until the returned work is waited on."""
-    return _collective(group, "send", tensor.numel() * tensor.element_size(),
+    work = _collective(group, "send", tensor.numel() * tensor.element_size(),
                        lambda: dist.isend(tensor, dst=dst, group=group), peer=f"->{dst}")
+    assert work is not None  # isend is always asynchronous
+    return work
 
 
-def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> dist.Work:
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> Pending:
     """Point-to-point: start receiving into `tensor` from global rank `src` of `group`."""
-    return _collective(group, "recv", tensor.numel() * tensor.element_size(),
+    work = _collective(group, "recv", tensor.numel() * tensor.element_size(),
                        lambda: dist.irecv(tensor, src=src, group=group), peer=f"<-{src}")
+    assert work is not None  # irecv is always asynchronous
+    return work
 
 
 def all_to_all(
     output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
-) -> dist.Work | None:
+) -> Pending | None:
     """Collective over `group`: chunk j of `input` goes to rank j; chunk i of `output` comes from
     rank i (equal chunks, contiguous tensors)."""
     return _collective(group, "all_to_all", input.numel() * input.element_size(),
@@ -309,7 +315,7 @@ def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[
     padded[: payload.numel()] = payload
     gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     _collective(group, "all_gather", longest * world, lambda: dist.all_gather(gathered, padded, group=group))
-    return [json.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes)]
+    return [json.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes, strict=True)]
 
 
 def broadcast_json(value: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
