@@ -1,4 +1,6 @@
-"""Fault injection for tests: the train loop honours MSHPC_TEST_FAULTS, read by launch/env.py.
+"""Fault injection for tests: MSHPC_TEST_FAULTS (read by launch/env.py), bound to one rank as
+InjectedFaults, the FaultHooks that the train loop, preflight and the saver call. Only
+mshpc/fault_setup.py builds it; product code sees the FaultHooks interface alone.
 
 Spec: `;`-separated faults, each `KIND:rank=R:step=S` or `KIND:node=NAME:step=S` (fires on
 whichever rank runs on that node, or local slot), optionally `:attempt=A` (only in the
@@ -31,6 +33,9 @@ from pathlib import Path
 from torch import nn
 
 from mshpc.errors import ConfigError
+from mshpc.events import append_event
+from mshpc.fault_hooks import FaultHooks
+from mshpc.parallel.comm import RECORDER
 
 KINDS = ("raise", "kill", "kill_in_save", "stop", "raise_in_collective", "nan", "corrupt_latest",
          "slow", "gemm_slow", "gemm_wrong")
@@ -78,9 +83,10 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
     return tuple(_parse_one(part) for part in (spec or "").split(";") if part.strip())
 
 
-def bind(faults: tuple[Fault, ...], rank: int, node: str, attempt: int, run_dir: Path,
-         ckpt_root: Path) -> tuple[Fault, ...]:
-    """The faults meant for this process (its rank or node, this attempt), ready to fire."""
+def bind(faults: tuple[Fault, ...], rank: int, node: str, attempt: int, run_dir: Path | None,
+         ckpt_root: Path | None) -> tuple[Fault, ...]:
+    """The faults meant for this process (its rank or node, this attempt), ready to fire; with no
+    run_dir (preflight) an injection is not recorded."""
     mine = []
     for f in faults:
         here = f.node == node if f.node is not None else f.rank == rank
@@ -95,8 +101,6 @@ def inject(faults: tuple[Fault, ...], rank: int, step: int, phase: str = "step")
         if fault.rank != rank or fault.step != step or _PHASE.get(fault.kind, "step") != phase:
             continue
         if fault.run_dir is not None:
-            from mshpc.events import append_event
-
             target = os.readlink(fault.ckpt_root / "latest") if fault.kind == "corrupt_latest" and fault.ckpt_root else None
             append_event(fault.run_dir, "fault_injected", fault=fault.kind, rank=rank, node=fault.node,
                          step=step, attempt=fault.attempt, pid=os.getpid(), target=target)
@@ -110,8 +114,6 @@ def _fire(fault: Fault, rank: int, step: int) -> None:
     elif fault.kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind == "raise_in_collective":
-        from mshpc.parallel.comm import RECORDER
-
         RECORDER.fail_next(f"{message} (inside a collective)")
     elif fault.kind == "nan":
         _poison_next_forward()
@@ -133,7 +135,8 @@ def _poison_next_forward() -> None:
             return output * float("nan")
         return None
 
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    # torch types a global forward hook as returning None, yet honours a returned replacement output
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)  # type: ignore[arg-type]  # see above
 
 
 def _corrupt_latest(root: Path) -> None:
@@ -149,6 +152,31 @@ def _corrupt_latest(root: Path) -> None:
         byte = f.read(1)
         f.seek(offset + 16)
         f.write(bytes([byte[0] ^ 0x01]))
+
+
+class InjectedFaults(FaultHooks):
+    """The faults bound to this rank (see `bind`), fired at the product's hook points."""
+
+    def __init__(self, faults: tuple[Fault, ...], rank: int) -> None:
+        self.faults = faults
+        self.rank = rank
+
+    @property
+    def gemm_slow_factor(self) -> int:
+        return SLOW_FACTOR if planned(self.faults, "gemm_slow", self.rank) else 1
+
+    @property
+    def gemm_wrong(self) -> bool:
+        return planned(self.faults, "gemm_wrong", self.rank)
+
+    def at_step(self, step: int) -> None:
+        inject(self.faults, self.rank, step)
+
+    def before_commit(self, step: int) -> None:
+        inject(self.faults, self.rank, step, "save")
+
+    def install_slowdown(self, model: nn.Module, start_step: int, forwards_per_step: int) -> None:
+        install_slowdown(model, self.faults, self.rank, start_step, forwards_per_step)
 
 
 def planned(faults: tuple[Fault, ...], kind: str, rank: int) -> bool:

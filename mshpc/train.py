@@ -23,11 +23,12 @@ from mshpc.diagnose.collector import build_collector
 from mshpc.diagnose.mfu import mfu, peak_tflops
 from mshpc.diagnose.timers import phase
 from mshpc.errors import ConfigError, MshpcError
-from mshpc.faults import Fault, bind, inject, install_slowdown, parse_faults
+from mshpc.fault_hooks import NO_FAULTS, FaultHooks
+from mshpc.fault_setup import build_fault_hooks
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
-from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
+from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.loss_check import check_loss
 from mshpc.model.gpt import GPT
 from mshpc.optim.schedule import build_scheduler
@@ -42,7 +43,7 @@ from mshpc.run_dir import create_run_dir, run_path
 
 log = logging.getLogger(__name__)
 
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # batch -> (loss, grad norm)
+StepFn = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]  # batch -> (loss, grad norm)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def build_model_step(cfg: Config, mesh: Mesh, rt: Runtime) -> tuple[ZeroEngine, 
 
 
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
-                 faults: tuple[Fault, ...] = (), beat: Heartbeat | None = None) -> list[float]:
+                 faults: FaultHooks = NO_FAULTS, beat: Heartbeat | None = None) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
     p = cfg.parallel
     mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))  # every group, once
@@ -168,9 +169,9 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     torch.manual_seed(cfg.train.seed + info.rank)
     ckpt = TrainCheckpointer(cfg, checkpoint_root(cfg, run_path(cfg)), info.rank, info.world_size,
                              engine, scheduler,
-                             before_commit=lambda step: inject(faults, info.rank, step, "save"))
+                             before_commit=faults.before_commit)
     start_step = ckpt.resume()
-    install_slowdown(engine.model, faults, info.rank, start_step, cfg.train.grad_accum)
+    faults.install_slowdown(engine.model, start_step, cfg.train.grad_accum)
     loader = build_data(cfg, info, mesh, rt, start_step)
     diag = build_collector(cfg, run_path(cfg), info.rank, info.node, rt.device, start_step, rt.peak_tflops)
     is_logger = info.rank == 0
@@ -187,7 +188,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             with phase("data"):
                 batch = next(loader)
             beat.phase("step", step)
-            inject(faults, info.rank, step)
+            faults.at_step(step)
             loss, grad_norm = step_fn(batch)
             stage1_wait_s = ckpt.pop_stage1_wait()
             lr = scheduler.get_last_lr()[0]
@@ -234,8 +235,7 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
     try:
         info = init_distributed(env)
         cfg = resolve_world(cfg, info.world_size)
-        faults = bind(parse_faults(env.test_faults), info.rank, info.node, env.supervisor.attempt if env.supervisor else 0,
-                      run_path(cfg), checkpoint_root(cfg, run_path(cfg)))
+        faults = build_fault_hooks(env, info, run_path(cfg), checkpoint_root(cfg, run_path(cfg)))
         with start_heartbeat(cfg, env.supervisor, info.rank, info.node) as beat:
             rt = build_runtime(cfg.train, info)
             if info.rank == 0:

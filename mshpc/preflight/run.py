@@ -11,7 +11,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from mshpc.config import PreflightConfig
-from mshpc.faults import Fault, parse_faults
+from mshpc.fault_hooks import FaultHooks
+from mshpc.fault_setup import build_fault_hooks
 from mshpc.launch.drain import drain
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.rendezvous import init_distributed, shutdown_distributed
@@ -41,7 +42,7 @@ def run_preflight(cfg: PreflightConfig, env: LaunchEnv, opts: Options) -> int:
         target = build_target(info.rank, info.local_rank)
         everyone = comm.all_gather_json({"node": info.node, "kind": target.kind}, ctl)
         layout = Layout(info.rank, [e["node"] for e in everyone], [e["kind"] for e in everyone])
-        records = _measure(layout, target, level, cfg, parse_faults(env.test_faults), ctl)
+        records = _measure(layout, target, level, cfg, build_fault_hooks(env, info), ctl)
         result = verdict(judge(records, thresholds), layout.nodes)
         if info.rank == 0:
             _report(result, opts, {"level": opts.level, "started": started, "wall_s": time.time() - started,
@@ -52,7 +53,7 @@ def run_preflight(cfg: PreflightConfig, env: LaunchEnv, opts: Options) -> int:
         shutdown_distributed()
 
 
-def _measure(layout: Layout, target: Target, level: Tier, cfg: PreflightConfig, faults: tuple[Fault, ...],
+def _measure(layout: Layout, target: Target, level: Tier, cfg: PreflightConfig, faults: FaultHooks,
              ctl: dist.ProcessGroup) -> list[Record]:
     """Collective over all ranks: every rank's records, in rank order, on every rank."""
     burn_s = cfg.burn_s if cfg.burn_s is not None else level.burn_s[target.device.type]

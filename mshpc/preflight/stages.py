@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mshpc.faults import SLOW_FACTOR, Fault, planned
+from mshpc.fault_hooks import FaultHooks
 from mshpc.parallel import comm
 from mshpc.preflight import device as dev
 from mshpc.preflight.burn import burn
@@ -76,10 +76,9 @@ def _guarded(test: str, target: dev.Target, fn: Callable[[], list[Record]]) -> l
                        detail=f"{type(exc).__name__}: {exc}")]
 
 
-def device_tests(target: dev.Target, tier: Tier, burn_s: float, faults: tuple[Fault, ...], rank: int) -> list[Record]:
+def device_tests(target: dev.Target, tier: Tier, burn_s: float, faults: FaultHooks) -> list[Record]:
     """This rank's device tests, NVML health last (temperatures and XIDs after the load)."""
-    slow = SLOW_FACTOR if planned(faults, "gemm_slow", rank) else 1
-    wrong = planned(faults, "gemm_wrong", rank)
+    slow, wrong = faults.gemm_slow_factor, faults.gemm_wrong  # 1 and False unless a gemm_* test fault is planned here
     reps, rep_s = tier.device_reps, tier.device_rep_s
     with Nvml(target) as nvml:
         records = _guarded("gemm_tflops", target, lambda: [dev.gemm_tflops(target, reps, rep_s, slow)])
@@ -93,10 +92,10 @@ def device_tests(target: dev.Target, tier: Tier, burn_s: float, faults: tuple[Fa
 
 
 def device_stage(layout: Layout, target: dev.Target, tier: Tier, burn_s: float,
-                 faults: tuple[Fault, ...]) -> list[Record]:
+                 faults: FaultHooks) -> list[Record]:
     """This rank's device tests, as records of its node and rank."""
     node = layout.node_of_rank[layout.rank]
-    records = device_tests(target, tier, burn_s, faults, layout.rank)
+    records = device_tests(target, tier, burn_s, faults)
     return [dataclasses.replace(r, node=node, rank=layout.rank) for r in records]
 
 
