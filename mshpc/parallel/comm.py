@@ -48,9 +48,8 @@ class FlightRecorder:
             self._seq += 1
             self._records.append(CollectiveRecord(self._seq, group, op, nbytes))
             self._counts[group] = self._counts.get(group, 0) + 1
-            fail, self._fail = self._fail, None
-        if fail is not None:
-            raise RuntimeError(fail)
+        if self._fail is not None:  # the one check a run with no armed fault pays per collective
+            self._fail_now()
 
     def counts(self) -> dict[str, int]:
         """Collectives entered per group: equal on every member of a group unless one is missing
@@ -59,9 +58,17 @@ class FlightRecorder:
             return dict(self._counts)
 
     def fail_next(self, message: str) -> None:
-        """Fault injection (tests): the next collective this process enters raises RuntimeError."""
+        """Fault injection (the raise_in_collective test fault, armed through FaultHooks.at_step):
+        the next collective this process enters raises RuntimeError, once."""
         with self._lock:
             self._fail = message
+
+    def _fail_now(self) -> None:
+        # under the lock: of two threads entering collectives at once, only one raises
+        with self._lock:
+            fail, self._fail = self._fail, None
+        if fail is not None:
+            raise RuntimeError(fail)
 
     def snapshot(self) -> list[CollectiveRecord]:
         with self._lock:
