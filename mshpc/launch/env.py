@@ -9,7 +9,7 @@ import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast, overload
 
 from mshpc.errors import LaunchError
 
@@ -57,6 +57,10 @@ class LaunchEnv:
     supervisor: SupervisorLink | None = None  # MSHPC_SUPERVISOR=host:port, MSHPC_SUPERVISOR_TOKEN, MSHPC_ATTEMPT
 
 
+@overload
+def _int(env: Mapping[str, str], name: str, default: int) -> int: ...
+@overload
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int | None: ...
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
     raw = env.get(name)
     if raw is None or raw == "":
@@ -65,6 +69,14 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int |
         return int(raw)
     except ValueError:
         raise LaunchError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _set_int(env: Mapping[str, str], name: str) -> int:
+    """An integer the launcher must have set."""
+    value = _int(env, name)
+    if value is None:
+        raise LaunchError(f"environment variable {name} is empty")
+    return value
 
 
 def _slurm(env: Mapping[str, str]) -> SlurmEnv | None:
@@ -78,7 +90,7 @@ def _slurm(env: Mapping[str, str]) -> SlurmEnv | None:
         nodelist=env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""),
         array_job_id=_int(env, "SLURM_ARRAY_JOB_ID"),
         array_task_id=_int(env, "SLURM_ARRAY_TASK_ID"),
-        restart_count=_int(env, "SLURM_RESTART_COUNT", 0),  # type: ignore[arg-type]
+        restart_count=_int(env, "SLURM_RESTART_COUNT", 0),
     )
 
 
@@ -87,7 +99,7 @@ def _detect(env: Mapping[str, str], slurm: SlurmEnv | None) -> Launcher:
     if forced:
         if forced not in LAUNCHERS:
             raise LaunchError(f"MSHPC_BOOTSTRAP={forced!r} is not a launcher (choose {', '.join(LAUNCHERS)})")
-        return forced  # type: ignore[return-value]
+        return cast(Launcher, forced)  # one of LAUNCHERS, checked above
     if any(name in env for name in _MPI_MARKERS):
         return "mpi"
     if slurm is not None and slurm.step_id is not None and "SLURM_PROCID" in env:
@@ -102,7 +114,7 @@ def _mpi_env(env: Mapping[str, str]) -> tuple[int, int, int, int]:
     size = _int(env, "OMPI_COMM_WORLD_SIZE", _int(env, "PMI_SIZE", 1))
     local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", _int(env, "MPI_LOCALRANKID", 0))
     local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", _int(env, "MPI_LOCALNRANKS", 1))
-    return rank, size, local, local_size  # type: ignore[return-value]
+    return rank, size, local, local_size
 
 
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -120,7 +132,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         local = _int(env, "SLURM_LOCALID", 0)
         local_world = _int(env, "SLURM_NTASKS_PER_NODE", 0) or _tasks_on_node(env)
     elif launcher == "env":
-        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        rank, world = _set_int(env, "RANK"), _set_int(env, "WORLD_SIZE")
         local = _int(env, "LOCAL_RANK", 0)
         local_world = _int(env, "LOCAL_WORLD_SIZE", world)
         if addr is None or port is None:
@@ -128,8 +140,8 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     else:
         rank, world, local, local_world = 0, 1, 0, 1
     return LaunchEnv(
-        launcher=launcher, rank=rank, world_size=world, local_rank=local,  # type: ignore[arg-type]
-        local_world_size=local_world, node=node, master_addr=addr, master_port=port,  # type: ignore[arg-type]
+        launcher=launcher, rank=rank, world_size=world, local_rank=local,
+        local_world_size=local_world, node=node, master_addr=addr, master_port=port,
         slurm=slurm, test_faults=env.get("MSHPC_TEST_FAULTS") or None, supervisor=_supervisor(env),
     )
 
@@ -142,7 +154,7 @@ def _supervisor(env: Mapping[str, str]) -> SupervisorLink | None:
     if not sep or not port.isdigit():
         raise LaunchError(f"MSHPC_SUPERVISOR={raw!r} must be HOST:PORT")
     return SupervisorLink(host=host, port=int(port), token=env.get("MSHPC_SUPERVISOR_TOKEN", ""),
-                          attempt=_int(env, "MSHPC_ATTEMPT", 0))  # type: ignore[arg-type]
+                          attempt=_int(env, "MSHPC_ATTEMPT", 0))
 
 
 def _tasks_on_node(env: Mapping[str, str]) -> int:
