@@ -106,7 +106,7 @@ class TimingsWriter:
         self._file.write(json.dumps(record) + "\n")
         try:
             self._after_write(spans.step)
-        except Exception:  # noqa: BLE001 - diagnosis must never stop training; say why, once per step
+        except Exception:  # noqa: BLE001  diagnosis must never stop training; say why, once per step
             log.exception("straggler watch failed at step %d", spans.step)
 
 
