@@ -77,4 +77,4 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) .cache runs .mypy_cache .ruff_cache
