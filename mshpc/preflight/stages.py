@@ -70,7 +70,7 @@ def _guarded(test: str, target: dev.Target, fn: Callable[[], list[Record]]) -> l
     the run before any verdict is written."""
     try:
         return fn()
-    except Exception as exc:  # noqa: BLE001 - recorded as this device's failure, with the error
+    except Exception as exc:  # noqa: BLE001  recorded as this device's failure, with the error
         log.error("%s on %s raised %s: %s", test, target.label, type(exc).__name__, exc)
         return [Record("", target.label, test, None, "", "fail", kind=target.kind,
                        detail=f"{type(exc).__name__}: {exc}")]
