@@ -136,7 +136,7 @@ def _poison_next_forward() -> None:
         return None
 
     # torch types a global forward hook as returning None, yet honours a returned replacement output
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)  # type: ignore[arg-type]  # see above
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)  # type: ignore[arg-type]  # stub says -> None
 
 
 def _corrupt_latest(root: Path) -> None:
