@@ -52,7 +52,7 @@ from mshpc.checkpoint.paths import step_dir
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.saver import CheckpointSaver, HostSnapshot, SaveTarget
 from mshpc.checkpoint.state import model_slices
-from mshpc.checkpoint.tensor_slice import TensorSlice
+from mshpc.tensor_slice import TensorSlice
 from mshpc.config import ModelConfig
 from mshpc.model.gpt import GPT, loss_fn
 

@@ -78,7 +78,7 @@ def worker(rank: int, world: int, shape, schedule: list[tuple[str, int]], barrie
 def measure(world: int, tp: int, pp: int, rounds: int) -> dict[str, dict[str, float]]:
     """Each contender's median over rounds of init_s, groups_s (the slowest rank's group
     creation) and total_s, and its worst init_s, at `world` ranks."""
-    from mshpc.parallel.mesh import MeshShape
+    from mshpc.mesh_shape import MeshShape
 
     shape = MeshShape(pp=pp, dp=world // (tp * pp), tp=tp)
     schedule = [(c, free_port()) for _ in range(rounds) for c in CONTENDERS]

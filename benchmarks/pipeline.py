@@ -36,7 +36,8 @@ def build(args: argparse.Namespace) -> dict:
     import torch
 
     from mshpc.config import load_config
-    from mshpc.parallel.mesh import MeshShape, build_mesh
+    from mshpc.mesh_shape import MeshShape
+    from mshpc.parallel.mesh import build_mesh
     from mshpc.parallel.pipeline import build_pipeline
 
     base = load_config(REPO / "configs/tiny.yaml")
@@ -82,7 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from mshpc.data.batch import Batch
+    from mshpc.batch import Batch
     from mshpc.parallel import comm
 
     torch.set_num_threads(1)  # two ranks on this machine's cores

@@ -27,7 +27,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from mshpc.parallel.mesh import MeshShape, build_mesh
+    from mshpc.mesh_shape import MeshShape
+    from mshpc.parallel.mesh import build_mesh
 
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.worker,

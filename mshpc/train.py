@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mshpc.batch import Batch
 from mshpc.checkpoint.train_checkpoint import TrainCheckpointer, checkpoint_root
 from mshpc.config import Config, TrainConfig, resolve_world
-from mshpc.data.batch import Batch
 from mshpc.data.loader import BatchLoader
 from mshpc.data.node_reader import ReaderScope
 from mshpc.data.pipeline import build_loader
@@ -30,11 +30,12 @@ from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.loss_check import check_loss
+from mshpc.mesh_shape import MeshShape
 from mshpc.model.gpt import GPT
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn, parallelize
-from mshpc.parallel.mesh import Mesh, MeshShape, build_mesh
+from mshpc.parallel.mesh import Mesh, build_mesh
 from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
 from mshpc.parallel.zero import ZeroEngine
 from mshpc.plan.report import fit_warning

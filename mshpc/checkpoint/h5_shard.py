@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from mshpc.checkpoint.manifest import TensorEntry
-from mshpc.checkpoint.tensor_slice import TensorSlice
 from mshpc.errors import CheckpointError
+from mshpc.tensor_slice import TensorSlice
 
 # torch dtype name -> (numpy storage dtype, torch dtype)
 _CODEC: dict[str, tuple[np.dtype, torch.dtype]] = {

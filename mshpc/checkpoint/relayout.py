@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from mshpc.checkpoint.reader import CheckpointReader, Request
-from mshpc.checkpoint.tensor_slice import SliceReader
 from mshpc.errors import CheckpointError
 from mshpc.parallel.pipeline import TIED
 from mshpc.parallel.tp_split import TpSplit
+from mshpc.tensor_slice import SliceReader
 
 SPLITS_KEY = "tp_splits"  # manifest extras: {parameter name: [dim, blocks]}, written at tp > 1
 

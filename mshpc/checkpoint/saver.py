@@ -28,9 +28,9 @@ import torch.distributed as dist
 from mshpc.checkpoint.h5_shard import ALIGN_BYTES, write_shard
 from mshpc.checkpoint.manifest import Manifest, TensorEntry, write_manifest
 from mshpc.checkpoint.paths import prune, publish, tmp_dir
-from mshpc.checkpoint.tensor_slice import TensorSlice
 from mshpc.errors import CheckpointError
 from mshpc.parallel import comm
+from mshpc.tensor_slice import TensorSlice
 
 log = logging.getLogger(__name__)
 

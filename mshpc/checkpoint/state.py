@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from mshpc.checkpoint.reader import CheckpointReader
-from mshpc.checkpoint.tensor_slice import TensorSlice
 from mshpc.parallel.zero import DP_ONLY, ModelParallel
+from mshpc.tensor_slice import TensorSlice
 
 
 def spread(sizes: list[int], ranks: int) -> list[int]:

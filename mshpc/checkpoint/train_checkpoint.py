@@ -21,9 +21,9 @@ from mshpc.checkpoint.state import apply_rng, model_slices, rng_names, rng_slice
 from mshpc.config import Config, ParallelConfig, config_hash
 from mshpc.errors import CheckpointError
 from mshpc.events import append_event
+from mshpc.mesh_shape import Coords, MeshShape
 from mshpc.parallel import comm
 from mshpc.parallel.apply import tp_splits
-from mshpc.parallel.mesh import Coords, MeshShape
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.parallel.zero import ZeroEngine
 from mshpc.run_dir import run_path

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mshpc.data.batch import Batch, WindowReader, with_segments
+from mshpc.batch import Batch, with_segments
+from mshpc.data.window_reader import WindowReader
 
 DALI_PREFETCH = 2  # DALI's own queue, in front of the loader thread's
 

@@ -13,7 +13,8 @@ import time
 from types import TracebackType
 from typing import Protocol
 
-from mshpc.data.batch import Batch, WindowReader
+from mshpc.batch import Batch
+from mshpc.data.window_reader import WindowReader
 
 _POLL_S = 0.05  # how often a blocked thread looks at the stop flag: bounds close() latency
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mshpc.data.batch import Batch, WindowReader
+from mshpc.batch import Batch
 from mshpc.data.loader import Stopped
 from mshpc.data.shared_ring import RingLayout, SharedRing
+from mshpc.data.window_reader import WindowReader
 from mshpc.errors import DataError
 from mshpc.parallel import comm
 

@@ -8,12 +8,12 @@ from collections.abc import Callable
 import torch
 
 from mshpc.config import DataConfig
-from mshpc.data.batch import WindowReader
 from mshpc.data.dali_source import DaliSource, dali_missing
 from mshpc.data.loader import BatchLoader, BatchSource, RankSource
 from mshpc.data.node_reader import ReaderScope, start_node_source
 from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
+from mshpc.data.window_reader import WindowReader
 from mshpc.errors import ConfigError
 
 HOST = torch.device("cpu")  # the default: batches stay in host memory, moved to the device later

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from mshpc.data.batch import Batch
+from mshpc.batch import Batch
 
 MEMFD_NAME = "mshpc-batches"  # shows as /memfd:mshpc-batches in /proc/<pid>/maps
 

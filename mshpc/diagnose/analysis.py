@@ -17,7 +17,7 @@ from mshpc.diagnose.timers import CATEGORIES
 from mshpc.diagnose.timings import RankInfo, Timings, read_timings
 from mshpc.errors import MshpcError
 from mshpc.events import read_events, read_jsonl
-from mshpc.parallel.mesh import Coords, MeshShape
+from mshpc.mesh_shape import Coords, MeshShape
 
 WARMUP_STEPS = 1  # the first step allocates, builds buckets and fills caches: not the run's pace
 

@@ -14,7 +14,7 @@ from mshpc.diagnose.stragglers import StragglerWatch
 from mshpc.diagnose.timers import TIMERS
 from mshpc.diagnose.timings import RankInfo, TimingsWriter, header, rank_file
 from mshpc.events import append_event
-from mshpc.parallel.mesh import MeshShape
+from mshpc.mesh_shape import MeshShape
 
 log = logging.getLogger(__name__)
 

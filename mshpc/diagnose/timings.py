@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from mshpc.diagnose.timers import CATEGORIES, StepSpans, category
-from mshpc.parallel.mesh import Coords
+from mshpc.mesh_shape import Coords
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from mshpc.config import Config
 from mshpc.errors import MshpcError
 from mshpc.launch.env import SupervisorLink
 from mshpc.loss_check import LossDiverged
+from mshpc.mesh_shape import MeshShape
 from mshpc.parallel.comm import RECORDER
-from mshpc.parallel.mesh import MeshShape
 from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)

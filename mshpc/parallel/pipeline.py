@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mshpc.batch import Batch
 from mshpc.config import Config, ModelConfig
-from mshpc.data.batch import Batch
 from mshpc.diagnose.timers import BACKWARD, FORWARD, OPTIMIZER, phase
 from mshpc.model.gpt import GPT
 from mshpc.parallel import comm

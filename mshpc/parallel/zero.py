@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mshpc.checkpoint.tensor_slice import SliceReader, TensorSlice
 from mshpc.parallel import comm
 from mshpc.parallel.buckets import BucketLayout
 from mshpc.parallel.sharded_optim import STATE_KEYS
+from mshpc.tensor_slice import SliceReader, TensorSlice
 
 GRAD_DTYPE = torch.float32  # gradients are accumulated and reduced in fp32 whatever the compute dtype
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)

@@ -10,7 +10,7 @@ from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.paths import step_dir
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.saver import CheckpointSaver, HostSnapshot, SaveTarget
-from mshpc.checkpoint.tensor_slice import TensorSlice
+from mshpc.tensor_slice import TensorSlice
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned D2H copies)")
 

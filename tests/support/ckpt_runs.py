@@ -6,10 +6,10 @@ import h5py
 import numpy as np
 import torch
 
-from support.cli_runner import mshpc, read_metrics, train_args
 from mshpc.checkpoint.h5_shard import write_shard
 from mshpc.checkpoint.manifest import Manifest, write_manifest
-from mshpc.checkpoint.tensor_slice import TensorSlice
+from mshpc.tensor_slice import TensorSlice
+from support.cli_runner import mshpc, read_metrics, train_args
 
 STEPS = 8
 # max_restarts=0: these tests restart by hand, to see what a crash leaves (tests/faults: on its own)

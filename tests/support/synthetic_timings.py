@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from mshpc.diagnose.timings import RankInfo, header, rank_file
-from mshpc.parallel.mesh import MeshShape
+from mshpc.mesh_shape import MeshShape
 
 MESH = MeshShape(pp=2, dp=2, tp=2)  # 8 ranks, so the coordinates in a flag are checkable
 BASE_S = {"data": 0.002, "forward": 0.10, "backward": 0.20, "optimizer": 0.03, "other": 0.005}

@@ -3,8 +3,9 @@ collective over it reaches exactly them."""
 
 import torch
 
+from mshpc.mesh_shape import GROUP_NAMES, MeshShape
 from mshpc.parallel import comm
-from mshpc.parallel.mesh import GROUP_NAMES, MeshShape, build_mesh
+from mshpc.parallel.mesh import build_mesh
 from support.rank_runner import run_ranks
 
 SHAPE = MeshShape(pp=2, dp=2, tp=2)

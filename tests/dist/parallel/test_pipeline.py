@@ -20,11 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mshpc.batch import Batch
 from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from mshpc.data.batch import Batch
+from mshpc.mesh_shape import MeshShape
 from mshpc.parallel import comm
 from mshpc.parallel.apply import apply_tp
-from mshpc.parallel.mesh import Mesh, MeshShape, build_mesh
+from mshpc.parallel.mesh import Mesh, build_mesh
 from mshpc.parallel.pipeline import TIED, build_pipeline, pipeline_train_step
 from mshpc.parallel.schedules import peak_live
 from support.rank_runner import run_ranks

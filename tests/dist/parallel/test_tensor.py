@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mshpc.parallel.mesh import MeshShape, build_mesh
+from mshpc.mesh_shape import MeshShape
+from mshpc.parallel.mesh import build_mesh
 from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                    vocab_parallel_cross_entropy)
 from support.rank_runner import run_ranks

@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.mesh_shape import MeshShape
 from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
 from mshpc.parallel.apply import Parallelized, parallelize
-from mshpc.parallel.mesh import MeshShape, build_mesh
+from mshpc.parallel.mesh import build_mesh
 from support.rank_runner import run_ranks
 from support.single_rank import train_single_rank
 

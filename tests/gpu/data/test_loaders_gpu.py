@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from mshpc.config import DataConfig, ModelConfig
-from mshpc.data.batch import WindowReader
 from mshpc.data.dali_source import build_pipeline
 from mshpc.data.pipeline import build_loader
 from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
+from mshpc.data.window_reader import WindowReader
 from mshpc.model.gpt import GPT
 from support.token_data import make_random_dataset
 

@@ -7,7 +7,7 @@ import torch
 from mshpc.checkpoint import shard_read
 from mshpc.checkpoint.h5_shard import from_bytes, write_shard
 from mshpc.checkpoint.shard_read import ReadStats, ShardFiles, read_entries
-from mshpc.checkpoint.tensor_slice import TensorSlice
+from mshpc.tensor_slice import TensorSlice
 from mshpc.errors import CheckpointError
 
 

@@ -7,7 +7,7 @@ import torch
 
 from mshpc.checkpoint.h5_shard import ALIGN_BYTES
 from mshpc.checkpoint.saver import HostSnapshot, Stage1
-from mshpc.checkpoint.tensor_slice import TensorSlice
+from mshpc.tensor_slice import TensorSlice
 from mshpc.errors import CheckpointError
 
 

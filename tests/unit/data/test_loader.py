@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from mshpc.batch import Batch, segment_ids
 from mshpc.config import DataConfig
-from mshpc.data.batch import Batch, segment_ids
 from mshpc.data.loader import BatchLoader
 from mshpc.data.pipeline import build_loader
 from mshpc.data.sampler import SequenceSampler

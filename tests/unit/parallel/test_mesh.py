@@ -1,7 +1,7 @@
 import pytest
 
 from mshpc.errors import ConfigError
-from mshpc.parallel.mesh import Coords, MeshShape
+from mshpc.mesh_shape import Coords, MeshShape
 
 
 def test_tp_innermost_then_dp_then_pp():

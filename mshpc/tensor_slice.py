@@ -3,7 +3,8 @@
 A slice is elements [start, start + numel) of the global tensor's row-major flattening, so a
 ZeRO shard (a contiguous range of a flattened parameter) and a whole replicated tensor
 (start 0, all elements) are described alike, and a reader at another layout can ask for any
-range it needs.
+range it needs. A leaf (torch only), so ZeRO describes its shards without importing the
+checkpoint package that writes them.
 """
 
 from __future__ import annotations
