@@ -13,7 +13,7 @@ run: setup
 	$(BIN)/mshpc train configs/tiny.yaml
 
 test: lint setup-test system-tools slurm-up cuda-check
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q --durations=15
 
 # ruff (pyflakes, import order, bugbear, pyupgrade) and mypy over the package, as pyproject.toml
 # configures them, with the versions its test extra pins. `make test` runs it first: a finding
