@@ -1,0 +1,383 @@
+"""Chaos: one supervised 2-rank run under faults drawn at random, against the same run undisturbed.
+
+The faults (kinds and steps drawn from --seed, which is printed) are those an operator meets:
+  kill     kill -9 of a rank                       (the supervisor restarts from a checkpoint)
+  stop     SIGSTOP of a rank                       (a hang: found by its timeout, restarted)
+  sigterm  SIGTERM to the launcher, then a rerun   (a stop checkpoint, then a resume)
+  flip     a flipped byte in the newest checkpoint, then kill -9 of a rank, so the restart reads it
+  enospc   the run directory's file system full for a moment (a tmpfs: needs root), then a rerun
+The driver injects each from outside, as a person would, once training has passed its step, and
+reruns `mshpc train` whenever it exits before the last step (the operator's part).
+
+JSON lines: one per fault (what mshpc did, seconds to detect and to recover), then a summary:
+parameters and losses bitwise equal to the undisturbed run, `mshpc ckpt verify` on the latest
+checkpoint, processes left behind, each recovery against 2x a fresh start-up of the same run,
+and the effective training time ratio of both runs.
+
+    .venv/bin/python benchmarks/chaos.py [--steps 200] [--faults 10] [--seed S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["model.n_layer=2", "model.d_model=128", "model.n_head=2", "model.seq_len=64", "optim.warmup_steps=2",
+         "run.progress=none", "train.cpu_threads=1", "train.micro_batch=8"]
+# Short heartbeats and a 10 s hang floor, as benchmarks/recovery.py; enough restarts for every
+# fault; no eviction: these faults hit processes, not nodes (two blamed kills would evict a slot).
+SUPERVISED = ["checkpoint.interval_steps=10", "checkpoint.keep=3", "supervisor.heartbeat_interval_s=0.5",
+              "supervisor.timeout_floor_s=10", "supervisor.stop_grace_s=2", "supervisor.max_restarts=20",
+              "supervisor.evict_after=100"]
+KINDS = ("kill", "stop", "sigterm", "flip", "enospc")
+POLL_S = 0.05
+FULL_DISK_S = 2.0  # how long the run directory stays full
+WAIT_S = 300.0  # the most any one wait may take before the benchmark calls the run stuck
+MAX_RERUNS = 20
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int
+    injected_at: float = 0.0
+    rank: int | None = None
+    detected_at: float | None = None
+    how: str = ""  # what mshpc did, in a few words
+    detect_s: float | None = None
+    recover_s: float | None = None
+
+
+@dataclass
+class Launch:
+    at: float
+    proc: subprocess.Popen
+    exit_code: int | None = None
+
+
+@dataclass
+class ChaosRun:
+    """One run directory trained by successive `mshpc train --nproc 2` launches."""
+
+    out: Path
+    cache: Path
+    name: str
+    steps: int
+    launches: list[Launch] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.out / self.name
+
+    @property
+    def current(self) -> Launch:
+        return self.launches[-1]
+
+    def launch(self) -> None:
+        sets = [*SMALL, *SUPERVISED, f"train.steps={self.steps}", f"run.out_dir={self.out}", f"run.name={self.name}",
+                f"data.cache_dir={self.cache}"]
+        argv = [sys.executable, "-m", "mshpc", "train", str(REPO / "configs/tiny.yaml"),
+                *[a for s in sets for a in ("--set", s)], "--nproc", "2"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MSHPC_"))}
+        log = open(self.out.parent / f"{self.name}-launch{len(self.launches)}.log", "w")  # noqa: SIM115
+        proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self.launches.append(Launch(time.time(), proc))
+
+    def exited(self) -> bool:
+        code = self.current.proc.poll()
+        if code is not None and self.current.exit_code is None:
+            self.current.exit_code = code
+        return code is not None
+
+    def last_step(self) -> int:
+        metrics = self.run_dir / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        for line in reversed(lines):
+            try:
+                return json.loads(line)["step"]
+            except ValueError:
+                continue  # torn
+        return 0
+
+    def rank_pids(self) -> list[int]:
+        """The supervisor's children: the ranks of the attempt now running."""
+        return children(self.current.proc.pid)
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        out = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def step_times(self, rank: int = 0) -> list[tuple[str, float]]:
+        """("header"|"step", unix time) of each line of a rank's timings file, in order."""
+        path = self.run_dir / "timings" / f"rank-{rank:05d}.jsonl"
+        out = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            out.append(("header" if "rank" in record else "step", record["time"]))
+        return out
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace") and int(cmdline.parent.name) != os.getpid():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(check, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.time() + timeout_s
+    while not check():
+        if time.time() > deadline:
+            raise SystemExit(f"chaos: stuck: {what} did not happen within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
+
+
+# ---------------------------------------------------------------- the faults
+
+
+def flip_byte(ckpt_root: Path, rng: random.Random) -> str:
+    """Flip one byte inside a tensor of the newest checkpoint (a master or a model tensor); returns
+    which."""
+    shards = sorted((ckpt_root / "latest").glob("shard-*.h5"))
+    shard = rng.choice(shards)
+    with h5py.File(shard, "r") as f:
+        names = [f"{group}/{n}" for group in ("master", "model") if group in f for n in f[group]
+                 if f[group][n].size >= 64]
+        name = rng.choice(sorted(names))
+        offset, nbytes = f[name].id.get_offset(), f[name].id.get_storage_size()
+    with open(shard, "r+b") as f:
+        f.seek(offset + rng.randrange(nbytes))
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    return f"{shard.name}:{name}"
+
+
+def fill_disk(where: Path) -> Path:
+    """Take every free byte of `where`'s file system; returns the filler to delete."""
+    filler = where / ".chaos-filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with contextlib.suppress(OSError):  # tmpfs keeps some bytes back: the writes take the rest
+            os.posix_fallocate(fd, 0, max(shutil.disk_usage(where).free - 2**20, 1))
+        os.lseek(fd, 0, os.SEEK_END)
+        for chunk in (2**16, 2**12, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * chunk)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def inject(run: ChaosRun, fault: Fault, rng: random.Random) -> None:
+    fault.injected_at = time.time()
+    if fault.kind in ("kill", "stop", "flip"):
+        pids = sorted(run.rank_pids())
+        fault.rank = rng.randrange(len(pids))
+        if fault.kind == "flip":
+            fault.how = f"flipped {flip_byte(run.run_dir / 'checkpoints', rng)}; "
+        os.kill(pids[fault.rank], signal.SIGSTOP if fault.kind == "stop" else signal.SIGKILL)
+    elif fault.kind == "sigterm":
+        run.current.proc.send_signal(signal.SIGTERM)
+    elif fault.kind == "enospc":
+        filler = fill_disk(run.out)
+        time.sleep(FULL_DISK_S)
+        filler.unlink()
+
+
+def observe(run: ChaosRun, fault: Fault) -> None:
+    """Wait until mshpc has dealt with the fault: the supervisor's detection (a restart follows),
+    or the launcher's exit (the driver reruns it); fill in what happened."""
+    def detected() -> dict | None:
+        return next((e for e in run.events() if e["kind"] == "failure_detected" and e["time"] > fault.injected_at),
+                    None)
+
+    if fault.kind == "sigterm":
+        wait_for(run.exited, "the launcher's exit after SIGTERM", 120)
+        fault.detected_at = fault.injected_at  # the signal is the decision; the stop follows
+        fault.how += f"launcher stopped in {time.time() - fault.injected_at:.1f} s, exit {run.current.exit_code}"
+        return
+    if fault.kind == "enospc":
+        # a write may or may not have fallen in the full moment: wait a little for its effect
+        deadline = time.time() + 20
+        while time.time() < deadline and detected() is None and not run.exited():
+            time.sleep(POLL_S)
+    else:
+        wait_for(lambda: detected() is not None or run.exited(), f"detection of {fault.kind}")
+    event = detected()
+    if event is not None:
+        fault.detected_at = event["time"]
+        fault.how += f"detected {event['failure']} on rank {event['rank']}"
+    elif run.exited():
+        fault.detected_at = time.time()
+        fault.how += f"launcher exited {run.current.exit_code}"
+    else:
+        fault.how += "no write fell in the full moment: nothing to detect"
+
+
+def recovered_at(run: ChaosRun, after: float) -> float | None:
+    """The first step trained after a (re)start that came after `after`: rank 0's timings."""
+    restarted = False
+    for kind, at in run.step_times():
+        restarted = restarted or (kind == "header" and at > after)
+        if restarted and kind == "step":
+            return at
+    return None
+
+
+# ---------------------------------------------------------------- the run
+
+
+def drive(run: ChaosRun, faults: list[Fault], rng: random.Random) -> None:
+    run.launch()
+    pending = list(faults)
+    while True:
+        if run.exited():
+            if run.last_step() >= run.steps and run.current.exit_code == 0:
+                return
+            if len(run.launches) > MAX_RERUNS:
+                raise SystemExit(f"chaos: gave up after {MAX_RERUNS} reruns; see {run.out.parent}/*.log")
+            run.launch()  # the operator's rerun: resume from the latest good checkpoint
+        if pending and run.last_step() >= pending[0].step and run.rank_pids():
+            fault = pending.pop(0)
+            inject(run, fault, rng)
+            observe(run, fault)
+        time.sleep(POLL_S)
+
+
+def startup_s(run: ChaosRun) -> float:
+    first = next(at for kind, at in run.step_times() if kind == "step")
+    return first - run.launches[0].at
+
+
+def final_state(run: ChaosRun) -> tuple[dict[str, np.ndarray], list[float]]:
+    params = {}
+    for shard in sorted((run.run_dir / "checkpoints" / "latest").glob("shard-*.h5")):
+        with h5py.File(shard, "r") as f:
+            params.update({k: f["model"][k][()] for k in f.get("model", {})})
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, run.steps + 1)), "metrics: not every step exactly once"
+    return params, [r["loss"] for r in records]
+
+
+def effective_ratio(run: ChaosRun, ended: float) -> float:
+    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    return sum(r["step_time_s"] for r in records) / (ended - run.launches[0].at)
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps({"bench": "chaos", **fields}), flush=True)
+
+
+def draw(rng: random.Random, n: int, steps: int, kinds: tuple[str, ...]) -> list[Fault]:
+    at = sorted(rng.sample(range(10, steps - 10), n))
+    return [Fault(rng.choice(kinds), step) for step in at]
+
+
+def mount_tmpfs(path: Path) -> str | None:
+    """A 1 GiB tmpfs for the chaos run's directory, so it can be filled; the reason when not."""
+    path.mkdir(parents=True)
+    if os.geteuid() != 0:
+        return "not root: cannot mount a tmpfs to fill"
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g", "tmpfs", str(path)], capture_output=True, text=True)
+    return None if done.returncode == 0 else f"mount failed: {done.stderr.strip()}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--faults", type=int, default=10)
+    p.add_argument("--seed", type=int, default=None, help="default: drawn, and printed")
+    args = p.parse_args()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
+        cache, chaos_out = Path(tmp, "cache"), Path(tmp, "chaos")
+        no_full_disk = mount_tmpfs(chaos_out)
+        kinds = tuple(k for k in KINDS if not (k == "enospc" and no_full_disk))
+        faults = draw(rng, args.faults, args.steps, kinds)
+        emit(seed=seed, steps=args.steps, faults=[(f.kind, f.step) for f in faults], kinds=kinds,
+             enospc_left_out=no_full_disk)
+        try:
+            reference = ChaosRun(Path(tmp, "ref"), cache, "ref", args.steps)
+            drive(reference, [], rng)
+            ref_end = time.time()
+            chaos = ChaosRun(chaos_out, cache, "chaos", args.steps)
+            drive(chaos, faults, rng)
+            chaos_end = time.time()
+            report(reference, ref_end, chaos, chaos_end, faults)
+        finally:
+            for pid in processes_mentioning(tmp):
+                os.kill(pid, signal.SIGKILL)
+            if not no_full_disk:
+                subprocess.run(["umount", "-l", str(chaos_out)], check=False)
+
+
+def report(reference: ChaosRun, ref_end: float, chaos: ChaosRun, chaos_end: float, faults: list[Fault]) -> None:
+    time.sleep(3.0)  # what a stopped run leaves must be gone by now
+    left = processes_mentioning(str(chaos.out))
+    fresh = startup_s(reference)
+    for fault in faults:
+        if fault.detected_at is not None:
+            fault.detect_s = fault.detected_at - fault.injected_at
+            back = recovered_at(chaos, fault.detected_at)
+            fault.recover_s = None if back is None else back - fault.detected_at
+        emit(fault={k: v for k, v in asdict(fault).items() if k not in ("injected_at", "detected_at")},
+             within_2x_fresh_startup=None if fault.recover_s is None else fault.recover_s <= 2 * fresh)
+    want, got = final_state(reference), final_state(chaos)
+    bitwise = want[0].keys() == got[0].keys() and all(np.array_equal(want[0][k], got[0][k]) for k in want[0])
+    verify = subprocess.run([sys.executable, "-m", "mshpc", "ckpt", "verify",
+                             str(chaos.run_dir / "checkpoints" / "latest")], capture_output=True, text=True, cwd=REPO)
+    recoveries = [f.recover_s for f in faults if f.recover_s is not None]
+    emit(metric="summary", final_step=chaos.last_step(), bitwise_equal_params=bitwise,
+         bitwise_equal_losses=want[1] == got[1], ckpt_verify_clean=verify.returncode == 0,
+         processes_left=len(left), launches=len(chaos.launches), fresh_startup_s=round(fresh, 2),
+         max_recover_s=round(max(recoveries), 2) if recoveries else None,
+         all_within_2x_fresh_startup=all(r <= 2 * fresh for r in recoveries),
+         effective_time_ratio=round(effective_ratio(chaos, chaos_end), 4),
+         effective_time_ratio_undisturbed=round(effective_ratio(reference, ref_end), 4))
+
+
+if __name__ == "__main__":
+    main()
