@@ -94,7 +94,7 @@ class ChaosRun:
         argv = [sys.executable, "-m", "mshpc", "train", str(REPO / "configs/tiny.yaml"),
                 *[a for s in sets for a in ("--set", s)], "--nproc", "2"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MSHPC_"))}
-        log = open(self.out.parent / f"{self.name}-launch{len(self.launches)}.log", "w")  # noqa: SIM115
+        log = open(self.out.parent / f"{self.name}-launch{len(self.launches)}.log", "w")  # the child writes it; closed when this process ends
         proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         self.launches.append(Launch(time.time(), proc))
 
