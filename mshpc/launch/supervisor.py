@@ -29,6 +29,7 @@ from mshpc.launch.monitor import Monitor, RankState
 from mshpc.launch.recovery import NodePool, PastFailure, Verdict, classify
 from mshpc.launch.requeue import JobStopped
 from mshpc.run_dir import run_path
+from mshpc.run_lock import hold_run_lock
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,12 @@ class Supervisor:
 
     def run(self) -> int:
         """Train to the end, restarting as allowed; returns the exit code for the caller, or
-        raises JobStopped (a SystemExit) when the job stopped on request or was requeued."""
+        raises JobStopped (a SystemExit) when the job stopped on request or was requeued. The
+        run directory is locked from before the first event to after `run_end`."""
+        with hold_run_lock(self.run_dir):
+            return self._run()
+
+    def _run(self) -> int:
         self.event("supervisor_start", world=self.world, hosts=self.pool.active, spares=self.pool.spares,
                    knobs=_knobs(self.cfg))
         restarts = 0
