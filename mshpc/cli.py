@@ -229,8 +229,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    import yaml
-
+    from mshpc.config import parse_yaml
     from mshpc.launch.submit import submit
 
     extra = {}
@@ -238,7 +237,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise LaunchError(f"--slurm {item!r} must look like key=value")
-        extra[key] = yaml.safe_load(value)
+        extra[key] = parse_yaml(value, f"--slurm {item!r}")
     job = submit(args.config, overrides=args.set, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
                  tasks_per_node=args.tasks_per_node, partition=args.partition, time=args.time,
                  cluster=args.cluster, folder=args.folder, **extra)

@@ -6,6 +6,7 @@ combinations raise a one-line `ConfigError` naming the key and the valid choices
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import difflib
 import hashlib
@@ -311,7 +312,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if depth == len(parts) - 1:
             if dataclasses.is_dataclass(hints[part]):
                 raise ConfigError(f"override {key!r} names a section; give one of its keys")
-            node[part] = yaml.safe_load(raw) if raw else ""
+            node[part] = parse_yaml(raw, f"override {override!r}") if raw else ""
             return
         cls = hints[part]
         if not dataclasses.is_dataclass(cls):
@@ -319,20 +320,70 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         node = node.setdefault(part, {})
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping names one key twice (YAML requires keys to be unique)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a mapping that names a key twice is an error: PyYAML keeps the
+    last value in silence, so a config could say one thing on line 3 and train another."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` then a key of base again is an override, not a repeat
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, collections.abc.Hashable):
+                continue  # the base class says why such a key cannot be
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise _DuplicateKey(f"key {key!r} appears twice (lines {lines[key]} and {line}); keep one")
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """`text` as plain data, or a one-line ConfigError that starts with `where`."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only, no objects
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{where}: not valid YAML{at} ({exc.problem or exc.context})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
+def _read_config_text(path: Path) -> str:
+    """The file's text, or a one-line ConfigError saying why it cannot be a config."""
+    if path.is_dir():
+        raise ConfigError(f"config {str(path)!r} is a directory, not a YAML file (e.g. configs/tiny.yaml)")
+    if not path.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}: "
+                          f"0x{exc.object[exc.start]:02x}); save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror})") from None
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (None: all defaults), apply dotted overrides, validate."""
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-        data = loaded if loaded is not None else {}
-        if not isinstance(data, dict):
+        loaded = parse_yaml(_read_config_text(path), str(path))
+        if loaded is None:
+            # an empty file (or only comments) would train the built-in defaults: not what was meant
+            raise ConfigError(f"config file {str(path)!r} is empty (no sections; start from configs/tiny.yaml)")
+        if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        data = loaded
     for override in overrides:
         apply_override(data, override)
     return from_dict(data)

@@ -6,6 +6,7 @@ import pytest
 
 from mshpc.config import Config, dump_yaml, load_config, resolve_world
 from mshpc.errors import ConfigError
+from support.cli_runner import mshpc
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -108,3 +109,55 @@ def test_cli_prints_one_line_and_exits_2():
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "ConfigError: unknown config key 'model.n_layers'" in lines[0]
+
+
+def _one_line_error(out) -> str:
+    """The single stderr line of a command that stopped on a user error (exit 2)."""
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr[-2000:])
+    return lines[0]
+
+
+def _config_files(tmp_path):
+    """Config files no loader should take: (name, path or text, the words the error must say)."""
+    (tmp_path / "empty.yaml").write_text("")
+    (tmp_path / "comments.yaml").write_text("# only a comment\n")
+    (tmp_path / "latin1.yaml").write_bytes("model:\n  norm: r\xe9msnorm\n".encode("latin-1"))
+    (tmp_path / "twice.yaml").write_text("model:\n  n_layer: 2\ntrain:\n  steps: 1\nmodel:\n  n_layer: 8\n")
+    (tmp_path / "twice_nested.yaml").write_text("train:\n  steps: 1\n  micro_batch: 2\n  steps: 50\n")
+    (tmp_path / "a_dir.yaml").mkdir()
+    return {
+        "empty": (tmp_path / "empty.yaml", "empty.yaml' is empty"),
+        "comments": (tmp_path / "comments.yaml", "comments.yaml' is empty"),
+        "latin1": (tmp_path / "latin1.yaml", "latin1.yaml' is not UTF-8 text (byte 16: 0xe9)"),
+        "twice": (tmp_path / "twice.yaml", "twice.yaml: key 'model' appears twice (lines 1 and 5)"),
+        "twice_nested": (tmp_path / "twice_nested.yaml", "key 'steps' appears twice (lines 2 and 4)"),
+        "directory": (tmp_path / "a_dir.yaml", "a_dir.yaml' is a directory, not a YAML file"),
+    }
+
+
+@pytest.mark.parametrize("case", ["empty", "comments", "latin1", "twice", "twice_nested", "directory"])
+def test_config_files_that_cannot_be_configs_are_one_line_errors(case, tmp_path):
+    path, words = _config_files(tmp_path)[case]
+    # a few steps in tmp_path: before the fix, an empty file trained the defaults (and exited 0)
+    out = mshpc("train", str(path), "--set", "train.steps=1", "--set", f"run.out_dir={tmp_path}", timeout_s=120)
+    line = _one_line_error(out)
+    assert line.startswith("mshpc: error: ConfigError: ") and words in line, line
+
+
+def test_override_that_is_not_yaml_is_a_one_line_error(tmp_path):
+    out = mshpc("train", str(REPO / "configs/tiny.yaml"), "--set", "parallel.tp=[1", timeout_s=120)
+    line = _one_line_error(out)
+    assert "ConfigError: override 'parallel.tp=[1': not valid YAML at line 1, column 3" in line, line
+    out = mshpc("train", str(REPO / "configs/tiny.yaml"), "--set", "optim.lr={a: 1, a: 2}", timeout_s=120)
+    assert "override 'optim.lr={a: 1, a: 2}': key 'a' appears twice" in _one_line_error(out)
+
+
+def test_every_command_that_reads_a_config_shares_the_checks(tmp_path):
+    files = _config_files(tmp_path)
+    path, words = files["twice"]
+    out = mshpc("plan", str(path), "--gpus", "8", timeout_s=120)
+    assert words in _one_line_error(out)
+    path, words = files["empty"]
+    out = mshpc("preflight", str(path), timeout_s=120)
+    assert words in _one_line_error(out)
