@@ -1,18 +1,30 @@
 """The supervisor's side of the heartbeats: a TCP server it owns and the table of what each
 rank last said (mshpc/launch/heartbeat.py is the other side).
 
-Only JSON lines are read; a connection whose first line does not carry this attempt's token is
-dropped, so a straggling rank of an earlier attempt cannot speak for the current one.
+Only JSON lines are read, and each must have the shape its type promises (`FIELDS`); nothing a
+peer sends can raise in the monitor. A connection whose first line is not a hello carrying this
+attempt's token, within `HELLO_TIMEOUT_S`, is dropped: a straggling rank of an earlier attempt
+cannot speak for the current one, and a port scanner or an idle peer holds nothing for long.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 5.0  # a rank says hello as soon as it connects; anyone slower is not one
+HELLO_MAX_BYTES = 64 * 1024  # a hello is a few hundred bytes
+MESSAGE_MAX_BYTES = 256 * 2**20  # a dump (every stack, the whole flight recorder) is the largest
+_RECV_BYTES = 64 * 1024
+_ACCEPT_RETRY_S = 0.05  # after a failed accept (out of descriptors): idle peers are dropped soon
 
 
 @dataclass
@@ -54,11 +66,109 @@ class RankState:
         return self.outcome is not None or self.closed_at is not None or self.exited_at is not None
 
 
+# ---------------------------------------------------------------- what a rank may say
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _dict_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and check(x) for k, x in v.items())
+
+
+def _record(v: Any) -> bool:
+    """A flight recorder entry: [seq, group, op, bytes]."""
+    return (isinstance(v, list) and len(v) == 4 and _int(v[0]) and _str(v[1]) and _str(v[2])
+            and _int(v[3]))
+
+
+def _records(v: Any) -> bool:
+    return isinstance(v, list) and all(_record(r) for r in v)
+
+
+# Every field the supervisor reads, by message type, with its check; a missing field is None.
+FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
+    "hello": {"token": _str, "rank": _int, "host": _optional(_str), "pid": _optional(_int),
+              "coords": _optional(_str)},
+    "beat": {"phase": _str, "step": _int, "phase_s": _num, "medians": _dict_of(_num),
+             "counts": _dict_of(_int), "last": _optional(_record)},
+    "started": {"start_step": _int},
+    "failed": {"t": _num, "error": _str, "message": _str, "user_error": _bool, "loss_diverged": _bool,
+               "phase": _str, "step": _int, "start_step": _optional(_int)},
+    "exit": {"how": _str, "code": _optional(_int), "start_step": _optional(_int)},
+    "dump": {"stacks": _str, "records": _records, "counts": _dict_of(_int)},
+}
+
+
+def parse_message(line: bytes) -> dict[str, Any] | None:
+    """The message on `line` if it is a JSON object of a known type with every field in shape."""
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
+        return None
+    if not isinstance(message, dict):
+        return None
+    kind = message.get("type")
+    fields = FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None or not all(check(message.get(key)) for key, check in fields.items()):
+        return None
+    return message
+
+
+class _Lines:
+    """Newline-ended lines read from a socket, each at most `limit` bytes long."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self._conn, self._buf, self._scanned = conn, bytearray(), 0
+
+    def next(self, limit: int, deadline: float | None = None) -> bytes | None:
+        """The next line; None once the peer closed, the line outgrew `limit` or `deadline`
+        (time.monotonic) passed. A socket error (a reset) raises OSError."""
+        while (end := self._buf.find(b"\n", self._scanned)) < 0:
+            self._scanned = len(self._buf)
+            if len(self._buf) > limit:
+                return None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._conn.settimeout(left)  # the whole line's deadline, not each recv's: a trickle ends too
+            chunk = self._conn.recv(_RECV_BYTES)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 1]
+        self._scanned = 0
+        return line if end <= limit else None
+
+
+# ---------------------------------------------------------------- the server
+
+
 class Monitor:
     """Accepts the ranks' heartbeat connections for one attempt and keeps `ranks` current."""
 
-    def __init__(self, world: int, token: str, bind_host: str = "127.0.0.1") -> None:
-        self.token, self.world = token, world
+    def __init__(self, world: int, token: str, bind_host: str = "127.0.0.1",
+                 hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
+        self.token, self.world, self.hello_timeout_s = token, world, hello_timeout_s
         self.ranks = {r: RankState(r) for r in range(world)}
         self.changed = threading.Event()  # set on every message that may need a decision
         self._lock = threading.Lock()
@@ -73,22 +183,31 @@ class Monitor:
             try:
                 conn, _ = self._server.accept()
             except OSError:
-                return
+                if self._closed:
+                    return
+                time.sleep(_ACCEPT_RETRY_S)  # out of descriptors, or a peer gone before accept
+                continue
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
         rank = None
+        lines = _Lines(conn)
         try:
-            for line in conn.makefile("rb"):
-                message = json.loads(line)
-                if rank is None:
-                    rank = self._hello(conn, message)
-                    if rank is None:
-                        return
-                else:
-                    self._update(self.ranks[rank], message)
-        except (OSError, ValueError):
-            pass
+            hello = lines.next(HELLO_MAX_BYTES, time.monotonic() + self.hello_timeout_s)
+            rank = self._hello(conn, parse_message(hello) if hello is not None else None)
+            if rank is None:
+                return
+            ignored = 0
+            while (line := lines.next(MESSAGE_MAX_BYTES)) is not None:
+                message = parse_message(line)
+                if message is None:
+                    ignored += 1
+                    if ignored == 1:  # a rank's bug, not a reason to stop listening to it
+                        log.warning("supervisor: ignored a malformed heartbeat message from rank %d", rank)
+                    continue
+                self._update(self.ranks[rank], message)
+        except OSError:
+            pass  # the peer reset the connection
         finally:
             conn.close()
             if rank is not None:
@@ -96,10 +215,13 @@ class Monitor:
                     self.ranks[rank].closed_at = time.time()
                 self.changed.set()
 
-    def _hello(self, conn: socket.socket, hello: dict[str, Any]) -> int | None:
-        rank = hello.get("rank")
-        if hello.get("type") != "hello" or hello.get("token") != self.token or rank not in self.ranks:
+    def _hello(self, conn: socket.socket, hello: dict[str, Any] | None) -> int | None:
+        if hello is None or hello["type"] != "hello" or hello["token"] != self.token:
             return None
+        rank = hello["rank"]
+        if rank not in self.ranks:
+            return None
+        conn.settimeout(None)  # a rank may be quiet for long between beats (heartbeat_interval_s)
         with self._lock:
             state = self.ranks[rank]
             state.host, state.pid, state.coords = hello.get("host"), hello.get("pid"), hello.get("coords")
