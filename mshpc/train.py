@@ -6,8 +6,10 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,6 +43,15 @@ from mshpc.parallel.zero import ZeroEngine
 from mshpc.plan.report import fit_warning
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
+from mshpc.run_lock import (
+    LOCK_FILE,
+    RunLockError,
+    check_run_lock,
+    hold_run_lock,
+    inherited_token,
+    read_holder,
+    token_digest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +241,41 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     return losses
 
 
+@contextmanager
+def claim_run_dir(run_dir: Path, info: DistInfo, rt: Runtime) -> Iterator[None]:
+    """Make sure this rank's run holds run_dir before anything is written there. Ranks started by
+    a holder (the supervisor) inherit its token and check it against the lock file; without one
+    (a single process, or ranks of srun, mpiexec or torchrun alone) rank 0 takes the lock for the
+    run, and the world agrees on it collectively, so every rank fails alike if it cannot."""
+    token = inherited_token()
+    if token is not None:
+        check_run_lock(run_dir, token)
+        yield
+        return
+    with ExitStack() as held:
+        error = None
+        if info.rank == 0:
+            try:
+                token = held.enter_context(hold_run_lock(run_dir)).token
+            except RunLockError as exc:
+                error = exc
+        comm.raise_if_any_failed(error, "taking the run directory's lock")
+        _check_rank0_holds(run_dir, token, rt)
+        yield
+
+
+def _check_rank0_holds(run_dir: Path, token: str | None, rt: Runtime) -> None:
+    """Collective over the world: rank 0's token, as a digest summed with the others' zeros (one
+    all-reduce on any backend), must be the one the lock file names on every rank."""
+    digest = torch.tensor([token_digest(token) if token else 0], dtype=torch.int64, device=rt.device)
+    comm.all_reduce(digest)
+    holder = read_holder(run_dir / LOCK_FILE)
+    if holder is None or token_digest(holder.token) != digest.item():
+        who = holder.describe() if holder else "nobody"
+        raise RunLockError(f"{run_dir}: rank 0 took {run_dir / LOCK_FILE}, "
+                           f"but this rank sees it held by {who}")
+
+
 def train(cfg: Config, env: LaunchEnv) -> list[float]:
     """Entry point for one rank: bootstrap, fit the config to the world, train, shut down."""
     watcher = watch_signals(cfg, env)  # first: a signal during start-up must not kill the rank
@@ -239,9 +285,10 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
         faults = build_fault_hooks(env, info, run_path(cfg), checkpoint_root(cfg, run_path(cfg)))
         with start_heartbeat(cfg, env.supervisor, info.rank, info.node) as beat:
             rt = build_runtime(cfg.train, info)
-            if info.rank == 0:
-                warn_if_unfit(cfg, rt)
-            return run_training(cfg, info, rt, watcher, faults, beat)
+            with claim_run_dir(run_path(cfg), info, rt):  # before anything is written there
+                if info.rank == 0:
+                    warn_if_unfit(cfg, rt)
+                return run_training(cfg, info, rt, watcher, faults, beat)
     finally:
         watcher.close()
         shutdown_distributed()
