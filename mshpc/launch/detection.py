@@ -3,12 +3,16 @@ running, finished, stopped on request, or failed (crash, hang, diverged loss, us
 
 A crash is a rank that ended without saying "ok": its "failed" message, or its connection and
 process ending without one (SIGKILL, a lost node). The earliest such rank is the one that failed;
-the others usually only echo it (their peer went away mid-collective). A hang is a rank whose
-current phase has lasted longer than that phase's timeout (mshpc/launch/timeouts.py).
+the others usually only echo it (their peer went away mid-collective). A rank whose error says in
+so many words that it echoes another's ("... failed on 1 other rank(s)", from a step that raises
+on every rank when one fails) is never the one named while the rank it echoes can still speak,
+whichever exited first. A hang is a rank whose current phase has lasted longer than that phase's
+timeout (mshpc/launch/timeouts.py).
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -21,6 +25,9 @@ from mshpc.launch.timeouts import phase_timeout
 Kind = Literal["crash", "hang", "loss", "user_error"]
 USER_ERROR_EXIT = 2  # what the CLI exits with on any MshpcError
 SETTLE_S = 0.5  # after a first failure, what else ended this soon after is taken in before deciding
+ECHO_WAIT_S = 5.0  # how long an echo waits for the failure it echoes, when that rank has not ended yet
+# parallel.comm.raise_if_any_failed's words on the ranks where the step did not fail itself
+_ECHO = re.compile(r"failed on \d+ other rank\(s\); see their error")
 
 
 @dataclass(frozen=True)
@@ -60,9 +67,18 @@ def describe(s: RankState) -> tuple[str, int]:
     return f"rank {s.rank} on {s.host or 'an unknown host'} vanished (its heartbeat connection closed)", 1
 
 
+def is_echo(s: RankState) -> bool:
+    """Whether rank `s` failed only because another rank did, in its own words."""
+    text = (s.outcome or {}).get("message") or s.exit_detail or ""
+    return bool(_ECHO.search(str(text)))
+
+
 def first_failure(states: dict[int, RankState]) -> tuple[RankState, float] | None:
+    """The failure to name and when it happened: the earliest that is not an echo, else the
+    earliest echo."""
     failed = [(s, t) for s in states.values() if (t := _ended_at(s)) is not None]
-    return min(failed, key=lambda st: st[1], default=None)
+    causes = [(s, t) for s, t in failed if not is_echo(s)]
+    return min(causes or failed, key=lambda st: st[1], default=None)
 
 
 def _failure(states: dict[int, RankState], now_wall: float) -> Detection | None:
@@ -70,6 +86,8 @@ def _failure(states: dict[int, RankState], now_wall: float) -> Detection | None:
     if found is None or now_wall - found[1] < SETTLE_S:
         return None
     s, at = found
+    if is_echo(s) and now_wall - at < ECHO_WAIT_S and not all(r.ended for r in states.values()):
+        return None  # the rank it echoes is still to tell its own error
     detail, code = describe(s)
     outcome = s.outcome or {}
     user_error = outcome.get("user_error") or (not outcome and s.exit_code == USER_ERROR_EXIT)
