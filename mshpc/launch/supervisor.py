@@ -38,6 +38,8 @@ DUMP_WAIT_S = 5.0  # how long live ranks get to send their stacks for the hang r
 USER_ERROR_EXIT = 2
 EXIT_WAIT_S = 60.0  # ranks that all said "ok" get this long to exit before they are stopped
 LAST_WORDS_WAIT_S = 5.0  # how long rank 0's last message may trail the exit of its process
+# Verdicts that no restart can fix: the run ends with USER_ERROR_EXIT and the failure's line
+NOT_RETRIED: tuple[str, ...] = ("user_error", "environment")
 
 
 class Ranks(Protocol):
@@ -73,6 +75,7 @@ class Tally:
     detect_s: list[float] = field(default_factory=list)
     recover_s: list[float] = field(default_factory=list)
     detected_at: float | None = None  # monotonic, of the failure being recovered from
+    trained_from: int | None = None  # the lowest step an attempt of this run resumed training at
 
 
 class Supervisor:
@@ -110,14 +113,18 @@ class Supervisor:
             if det is None:  # stopped on request after a checkpoint: as the ranks did, not a failure
                 raise JobStopped(self._end("stopped", code))
             if not self._recoverable(det, restarts):
-                user_error = self._last_verdict is not None and self._last_verdict.cls == "user_error"
-                code = self._end("requeued" if self.requeued else "failed", USER_ERROR_EXIT if user_error else det.exit_code)
-                if self.requeued:  # the job goes on elsewhere: no result to record (submitit)
-                    raise JobStopped(code)
-                print(f"mshpc: {det.detail}", file=sys.stderr)  # the last line says what failed
-                return code
+                return self._failed(det)
             restarts += 1
         raise AssertionError("unreachable: the last attempt either ends or is not recoverable")
+
+    def _failed(self, det: Detection) -> int:
+        """The end after a failure that is not retried; the last line says what failed."""
+        no_retry = self._last_verdict is not None and self._last_verdict.cls in NOT_RETRIED
+        code = self._end("requeued" if self.requeued else "failed", USER_ERROR_EXIT if no_retry else det.exit_code)
+        if self.requeued:  # the job goes on elsewhere: no result to record (submitit)
+            raise JobStopped(code)
+        print(f"mshpc: {det.detail}", file=sys.stderr)
+        return code
 
     def _attempt(self, number: int) -> tuple[int, Detection | None]:
         token = uuid.uuid4().hex
@@ -174,6 +181,8 @@ class Supervisor:
         first = states[0]
         if attempt.resumed_from is None and first.start_step is not None:
             attempt.resumed_from = first.start_step
+            before = self.tally.trained_from
+            self.tally.trained_from = first.start_step if before is None else min(before, first.start_step)
             self.event("resumed", attempt=attempt.number, from_step=first.start_step)
         trained = first.start_step is not None and first.step > first.start_step
         if attempt.first_step_at is None and (trained or (first.outcome or {}).get("how") == "ok"):
@@ -226,7 +235,7 @@ class Supervisor:
         """Evict what must go; then whether a restart is allowed and possible."""
         verdict = self._last_verdict
         assert verdict is not None, "classified in _handle"
-        if verdict.cls == "user_error":
+        if verdict.cls in NOT_RETRIED:
             return False
         for host in verdict.blame:
             count = self.pool.blame(host)
@@ -266,7 +275,7 @@ class Supervisor:
 
     def _end(self, outcome: str, code: int) -> int:
         wall = time.time() - self.tally.started_wall
-        useful = useful_step_seconds(self.run_dir / "metrics.jsonl")
+        useful = useful_step_seconds(self.run_dir / "metrics.jsonl", self.tally.trained_from)
         t = self.tally
         self.event("run_end", outcome=outcome, exit_code=code, wall_s=wall, useful_s=useful,
                    effective_time_ratio=useful / wall if wall > 0 else None, failures=len(t.failures),
@@ -279,20 +288,23 @@ class Supervisor:
         return code
 
 
-def useful_step_seconds(metrics: Path) -> float:
-    """Seconds of the steps that count: metrics.jsonl keeps only the steps of the final history
-    (a resume drops the ones trained after the checkpoint); a record stands for the steps since
-    the previous one (run.log_interval_steps)."""
-    if not metrics.exists():
+def useful_step_seconds(metrics: Path, trained_from: int | None) -> float:
+    """Seconds of the steps that count: those this run trained, after `trained_from` (the lowest
+    step its attempts resumed at; None: it trained none), not an earlier run's in the same folder.
+    metrics.jsonl keeps only the steps of the final history (a resume drops the ones trained
+    after the checkpoint); a record stands for the steps since the previous one
+    (run.log_interval_steps)."""
+    if trained_from is None or not metrics.exists():
         return 0.0
-    total, previous = 0.0, 0
+    total, previous = 0.0, trained_from
     for line in metrics.read_text().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        total += (record["step"] - previous) * (record.get("step_time_s") or 0.0)
-        previous = record["step"]
+        if record["step"] > trained_from:
+            total += (record["step"] - previous) * (record.get("step_time_s") or 0.0)
+            previous = record["step"]
     return total
 
 
