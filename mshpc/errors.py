@@ -1,5 +1,13 @@
 """User-facing errors: one line each, saying what, where and the valid choices."""
 
+from __future__ import annotations
+
+import contextlib
+import errno
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
 
 class MshpcError(Exception):
     """Base of every error a user can cause; the CLI prints it as one line and exits 2."""
@@ -23,3 +31,47 @@ class CheckpointError(MshpcError):
 
 class KernelError(MshpcError):
     """The fused kernels were asked for (model.fused_kernels: on) but cannot be built or loaded."""
+
+
+class RunEnvironmentError(MshpcError):
+    """Where the run writes cannot take it (a full disk, a used-up quota): neither the config nor
+    the node is at fault, so the supervisor neither retries nor evicts; the CLI exits 2."""
+
+
+_FULL = {errno.ENOSPC: "no space left on its file system", errno.EDQUOT: "the disk quota is used up"}
+
+
+def _size(n: float) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = 0
+    while n >= 1024 and i < len(units) - 1:
+        n, i = n / 1024, i + 1
+    return f"{n:.0f} {units[i]}" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _disk_full(exc: OSError, path: Path) -> RunEnvironmentError | None:
+    """The one-line error for `exc` if it is a full disk or quota, naming the path and the free
+    space; None for any other OSError."""
+    why = _FULL.get(exc.errno or 0)
+    if why is None:
+        return None
+    try:
+        usage = shutil.disk_usage(path if path.exists() else path.parent)
+        free = f"{_size(usage.free)} free of {_size(usage.total)}"
+    except OSError as stat_exc:
+        free = f"free space unknown: {stat_exc.strerror}"
+    return RunEnvironmentError(f"cannot write {path}: {why} ({free}); free some space or point "
+                               "run.out_dir elsewhere")
+
+
+@contextlib.contextmanager
+def writing_to(path: Path) -> Iterator[None]:
+    """Around writes to `path`: a full disk or quota becomes a RunEnvironmentError (exit 2, no
+    retry, no eviction) instead of an OSError that reads as a broken node; other errors pass."""
+    try:
+        yield
+    except OSError as exc:
+        error = _disk_full(exc, path)
+        if error is None:
+            raise
+        raise error from None

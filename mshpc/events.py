@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mshpc.errors import writing_to
+
 EVENTS_FILE = "events.jsonl"
 
 
@@ -20,12 +22,14 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
     """Append one event `{"time": unix seconds, "kind": kind, **fields}` and return it."""
     record = {"time": time.time(), "kind": kind, **fields}
     line = (json.dumps(record, allow_nan=False, default=str) + "\n").encode()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    path = run_dir / EVENTS_FILE
+    with writing_to(path):  # a full disk is the site's, not the node's: one line, exit 2
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
     return record
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 from typing import Any, TextIO
 
 from mshpc.config import Config, dump_yaml
+from mshpc.errors import RunEnvironmentError, writing_to
 
 
 def run_path(cfg: Config) -> Path:
@@ -36,27 +38,41 @@ def _records_up_to(path: Path, step: int) -> list[str]:
 
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl, flushed at once so that a
-    crash loses nothing already logged."""
+    crash loses nothing already logged. A full disk is a RunEnvironmentError naming the file."""
 
     def __init__(self, path: Path, start_step: int) -> None:
         # A fresh run starts a fresh file; a resumed one keeps the records up to its checkpoint
         # and drops those of steps it will train again.
         kept = _records_up_to(path, start_step) if start_step > 0 else []
-        self._file: TextIO = path.open("w")
-        self._file.writelines(kept)
-        self._file.flush()
+        self.path, self._failed = path, False
+        with writing_to(path):
+            self._file: TextIO = path.open("w")
+            self._file.writelines(kept)
+            self._file.flush()
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
-        self._file.flush()
+        line = json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n"
+        try:
+            with writing_to(self.path):
+                self._file.write(line)
+                self._file.flush()
+        except (OSError, RunEnvironmentError):
+            self._failed = True
+            raise
 
     def close(self) -> None:
-        self._file.close()
+        if self._failed:  # what is left in the buffer fails again: said once, by write()
+            with contextlib.suppress(OSError):
+                self._file.close()
+            return
+        with writing_to(self.path):
+            self._file.close()
 
 
 def create_run_dir(cfg: Config, start_step: int = 0) -> tuple[Path, MetricsLog]:
     """Make runs/<name>/, write the resolved config, and open the metrics log."""
     path = run_path(cfg)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.yaml").write_text(dump_yaml(cfg))
+    with writing_to(path / "config.yaml"):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.yaml").write_text(dump_yaml(cfg))
     return path, MetricsLog(path / "metrics.jsonl", start_step)

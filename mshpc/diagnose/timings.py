@@ -13,6 +13,7 @@ every `flush_interval_s`. No rank gathers anything over the network for this.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -26,6 +27,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from mshpc.diagnose.timers import CATEGORIES, StepSpans, category
+from mshpc.errors import RunEnvironmentError, writing_to
 from mshpc.mesh_shape import Coords
 
 log = logging.getLogger(__name__)
@@ -58,30 +60,55 @@ def is_header(line: str) -> bool:
 
 class TimingsWriter:
     """Appends this rank's step records from a background thread; `after_write(step)` runs on
-    that thread after each record (rank 0's straggler watch)."""
+    that thread after each record (rank 0's straggler watch). A write that fails there (a full
+    disk) stops the thread and is raised on the train loop's thread, at its next put or close."""
 
     def __init__(self, path: Path, head: dict[str, Any], flush_interval_s: float,
                  after_write: Callable[[int], None] = lambda step: None) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = path.open("a")
-        self._file.write(json.dumps(head) + "\n")
-        self._file.flush()
+        self.path = path
+        with writing_to(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: TextIO = path.open("a")
+            self._file.write(json.dumps(head) + "\n")
+            self._file.flush()
         self._flush_interval_s, self._after_write = flush_interval_s, after_write
+        self._error: OSError | RunEnvironmentError | None = None  # set once, by the thread, as it stops
+        self._raised = False
         self._queue: queue.SimpleQueue[StepSpans | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mshpc-timings", daemon=True)
         self._thread.start()
 
     def put(self, spans: StepSpans) -> None:
-        """The hot path's whole cost: one queue put."""
+        """The hot path's whole cost: one queue put (and a look at whether the thread failed)."""
+        self._raise_error()
         self._queue.put(spans)
 
     def close(self) -> None:
         """Write every step handed over so far, then stop."""
         self._queue.put(None)
         self._thread.join()
-        self._file.close()
+        if self._error is not None:  # the buffer's rest fails again: the first error says it
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._raise_error()
+            return
+        with writing_to(self.path):
+            self._file.close()
+
+    def _raise_error(self) -> None:
+        """Raise the thread's error once: a close during that error's unwinding must not hide it."""
+        if self._error is not None and not self._raised:
+            self._raised = True
+            raise self._error
 
     def _run(self) -> None:
+        try:
+            with writing_to(self.path):
+                self._write_until_closed()
+        except (OSError, RunEnvironmentError) as exc:
+            self._error = exc
+
+    def _write_until_closed(self) -> None:
         waiting: list[StepSpans] = []
         last_flush, closing = time.monotonic(), False
         while not closing or waiting:

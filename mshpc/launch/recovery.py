@@ -4,6 +4,8 @@ Classes (what a person would conclude from the logs):
   user_error  a config, data or checkpoint error (MshpcError), or the same exception (or the same
               loss divergence) at the same step again after a restart from the same checkpoint:
               deterministic, so a retry cannot help
+  environment a full disk or quota where the run writes (RunEnvironmentError): the site's, not the
+              node's, and a retry cannot help; nothing is blamed
   node_fault  a rank killed by a signal or gone without a word, a rank silent in a hang, a node
               Slurm reports DOWN/DRAIN/FAIL: the node, not the program
   unknown     a Python exception, a first loss divergence, a hang where every rank is alive: retried
@@ -17,11 +19,12 @@ import collections
 from dataclasses import dataclass
 from typing import Literal
 
+from mshpc.errors import RunEnvironmentError
 from mshpc.launch.detection import Detection
 from mshpc.launch.hang_report import Missing
 from mshpc.launch.monitor import RankState
 
-FaultClass = Literal["user_error", "node_fault", "unknown"]
+FaultClass = Literal["user_error", "environment", "node_fault", "unknown"]
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,21 @@ def _host(states: dict[int, RankState], rank: int | None) -> tuple[str, ...]:
     return (host,) if host else ()
 
 
+def _error_name(states: dict[int, RankState], rank: int | None) -> str | None:
+    """The exception type a failed rank named in its last words (the heartbeat's "failed")."""
+    outcome = states[rank].outcome if rank is not None else None
+    return outcome.get("error") if outcome else None
+
+
 def classify(det: Detection, states: dict[int, RankState], missing: list[Missing], down: dict[str, str],
              same_as_before: bool) -> Verdict:
     """The verdict on `det`; `down` maps hosts the scheduler reports unusable to their state."""
     if down:
         return Verdict("node_fault", tuple(sorted(down)), "Slurm reports " + ", ".join(
             f"{h} {s}" for h, s in sorted(down.items())), evict_now=True)
+    if det.kind == "user_error" and _error_name(states, det.rank) == RunEnvironmentError.__name__:
+        return Verdict("environment", (), "the run's file system is full or over quota: not the node's "
+                       "fault, and a retry cannot fix it")
     if det.kind == "user_error":
         return Verdict("user_error", (), "a configuration, data or checkpoint error: a retry cannot fix it")
     if same_as_before and det.kind in ("loss", "crash") and states[det.rank or 0].outcome is not None:
