@@ -8,13 +8,17 @@ A dataset is a folder:
                            "shards": [{"file": "shard-00000.bin", "docs_file": "shard-00000.docs.npy",
                                        "n_tokens": t, "n_docs": d,
                                        "sha256": "<hex of .bin>", "docs_sha256": "<hex of .docs.npy>"}]}
-    shard-NNNNN.bin       the shard's tokens: raw little-endian `dtype`, no header (np.memmap)
+    shard-NNNNN.bin       the shard's tokens: raw little-endian `dtype`, no header (memory-mappable)
     shard-NNNNN.docs.npy  int64 offsets, relative to the shard, of the documents that start in it
                           (np.load(allow_pickle=False))
 
 The shards in order form one stream in which every document is followed by `eos_id`. Every shard
 but the last holds exactly the shard size chosen at prepare time, so a document may continue into
 the next shard. `dtype` is "uint16" when vocab_size <= 65535, else "uint32". Nothing is pickled.
+
+Training reads windows with pread, not through a memory map: a shard truncated under a running
+job then gives a short read and a DataError naming it (a user error, exit 2), where a read
+through a map past the file's new end kills the rank with SIGBUS, which looks like a node fault.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -173,18 +178,49 @@ def _check_sha(path: Path, expected: str) -> None:
                         f"{actual[:12]}..); {_REPREPARE}")
 
 
-def _open_shard(folder: Path, entry: dict[str, Any], dtype: np.dtype, verify: bool) -> np.memmap:
+def _wrong_size(path: Path, size: int, n_tokens: int, dtype: np.dtype) -> DataError:
+    return DataError(f"{path}: {size} bytes, index says {n_tokens} tokens = {n_tokens * dtype.itemsize} "
+                     f"bytes (truncated or overwritten); {_REPREPARE}")
+
+
+class ShardFile:
+    """One shard's tokens, read with pread (see the module doc). The descriptor closes when the
+    last holder lets go, so a read in flight outlives a concurrent `TokenDataset.close()`."""
+
+    def __init__(self, path: Path, n_tokens: int, dtype: np.dtype) -> None:
+        self.path, self.n_tokens, self.dtype = path, n_tokens, dtype
+        self._fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+        self._check_size()
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    def _check_size(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size != self.n_tokens * self.dtype.itemsize:
+            raise _wrong_size(self.path, size, self.n_tokens, self.dtype)
+
+    def read_into(self, out: np.ndarray, start: int) -> None:
+        """Tokens [start, start + len(out)) into `out`. The size is checked first (one fstat), so a
+        shard cut short under the job fails on its next read, whatever part that read wants."""
+        self._check_size()
+        view, offset = out.view(np.uint8).data, start * self.dtype.itemsize
+        while view:
+            got = os.preadv(self._fd, [view], offset)
+            if got == 0:  # cut short between the check and this read
+                raise _wrong_size(self.path, os.fstat(self._fd).st_size, self.n_tokens, self.dtype)
+            view, offset = view[got:], offset + got
+
+
+def _open_shard(folder: Path, entry: dict[str, Any], dtype: np.dtype, verify: bool) -> ShardFile:
     path = folder / entry["file"]
     if not path.is_file():
         raise DataError(f"{path}: missing; {_REPREPARE}")
-    expected = entry["n_tokens"] * dtype.itemsize
-    size = path.stat().st_size
-    if size != expected:
-        raise DataError(f"{path}: {size} bytes, index says {entry['n_tokens']} tokens = {expected} "
-                        f"bytes (truncated or overwritten); {_REPREPARE}")
+    shard = ShardFile(path, entry["n_tokens"], dtype)
     if verify:
         _check_sha(path, entry["sha256"])
-    return np.memmap(path, dtype=dtype, mode="r", shape=(entry["n_tokens"],))
+    return shard
 
 
 def _load_docs(folder: Path, entry: dict[str, Any], verify: bool) -> np.ndarray:
@@ -204,9 +240,9 @@ def _load_docs(folder: Path, entry: dict[str, Any], verify: bool) -> np.ndarray:
 
 
 class TokenDataset:
-    """A prepared dataset whose shards are memory-mapped and read as one concatenated token stream."""
+    """A prepared dataset whose shards are read as one concatenated token stream."""
 
-    def __init__(self, path: Path, index: dict[str, Any], shards: list[np.memmap],
+    def __init__(self, path: Path, index: dict[str, Any], shards: list[ShardFile],
                  docs: list[np.ndarray]) -> None:
         self.path = path
         self.tokenizer: str = index["tokenizer"]
@@ -240,19 +276,20 @@ class TokenDataset:
         shards = self._shards  # one read: a concurrent close() must not empty the list mid-loop
         if not shards:
             raise DataError(f"dataset {self.path} is closed")
+        out = np.empty(length, dtype=self.dtype)
         k = int(np.searchsorted(self._offsets, start, side="right")) - 1
-        parts = [shards[k][:0]]
-        while start < end:
+        pos = start
+        while pos < end:
             base = int(self._offsets[k])
             hi = min(end, int(self._offsets[k + 1]))
-            parts.append(shards[k][start - base:hi - base])
-            start, k = hi, k + 1
-        return np.concatenate(parts)
+            shards[k].read_into(out[pos - start:hi - start], pos - base)
+            pos, k = hi, k + 1
+        return out
 
     def doc_starts(self) -> np.ndarray:
         """Stream positions (int64) at which the documents start."""
         return np.concatenate([d + off for d, off in zip(self._docs, self._offsets[:-1], strict=True)])
 
     def close(self) -> None:
-        """Drop the memory maps; later reads raise DataError."""
+        """Let go of the shards (a read in flight finishes); later reads raise DataError."""
         self._shards = []

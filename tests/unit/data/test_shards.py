@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,19 @@ def test_truncated_shard_is_rejected_without_verify(corpus: Path, tmp_path: Path
     path.write_bytes(path.read_bytes()[:-2])
     with pytest.raises(DataError, match=r"shard-00001\.bin: 12 bytes, index says 7 tokens = 14 bytes"):
         TokenDataset.open(out, verify=False)
+
+
+def test_a_shard_truncated_while_open_is_a_data_error_not_sigbus(corpus: Path, tmp_path: Path) -> None:
+    # through a memory map this read would kill the process with SIGBUS (a "node fault")
+    ds = TokenDataset.open(prepare_corpus([corpus], tmp_path / "ds", shard_tokens=7))
+    before = ds.tokens(0, 20)
+    for size in (0, 4):
+        os.truncate(tmp_path / "ds" / "shard-00001.bin", size)
+        with pytest.raises(DataError, match=rf"shard-00001\.bin: {size} bytes, index says 7 tokens = 14 bytes"):
+            ds.tokens(3, 5)  # crosses into shard 1
+        with pytest.raises(DataError, match=r"shard-00001\.bin"):
+            ds.tokens(8, 1)  # wholly inside what is left of it: the size is checked first
+    np.testing.assert_array_equal(ds.tokens(0, 7), before[:7])  # the sound shards still read
 
 
 def test_missing_shard_file_is_named(corpus: Path, tmp_path: Path) -> None:

@@ -1,0 +1,55 @@
+"""Bad bytes under a supervised run, each found where it lies and named: a data shard cut short
+under the running job stops it at once as a data error (exit 2), not as a node fault."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from support.cli_runner import REPO, read_metrics, train_args
+from support.fault_runs import SUPERVISED, events, kinds, one
+from support.token_data import make_random_dataset
+
+
+def start_supervised(tmp_path: Path, cache: Path, name: str, *overrides: str) -> subprocess.Popen:
+    """`supervised`, started in the background; its output goes to `name`.log (a pipe nobody
+    reads while the test waits could fill and stall it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI", "OMPI_"))}
+    args = train_args(tmp_path, cache, *SUPERVISED, *overrides, name=name)
+    with open(tmp_path / f"{name}.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "mshpc", *args, "--nproc", "2"], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)):
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before its first step"
+        assert time.monotonic() < deadline, "no step logged"
+        time.sleep(0.05)
+
+
+def test_a_shard_truncated_under_the_job_is_a_data_error_at_once(tmp_path, corpus_cache):
+    data = make_random_dataset(tmp_path)  # shards of 1000 tokens, 2000 bytes
+    # steps enough that the job is still reading when the shard goes; one batch read ahead
+    proc = start_supervised(tmp_path, corpus_cache, "d", f"data.path={data}", "train.steps=400",
+                            "data.prefetch_batches=1")
+    try:
+        wait_for_step(proc, tmp_path / "d")
+        os.truncate(data / "shard-00002.bin", 0)  # a whole page past the end: a mapped read would SIGBUS
+        assert proc.wait(timeout=240) == 2
+    finally:
+        if proc.poll() is None:  # the test failed with the job still running: end it and its ranks
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    last = (tmp_path / "d.log").read_text().strip().splitlines()[-1]
+    assert re.fullmatch(r"mshpc: rank [01] exited with code 2: DataError: " + re.escape(
+        f"{data / 'shard-00002.bin'}: 0 bytes, index says 1000 tokens = 2000 bytes (truncated or "
+        "overwritten); re-run mshpc prepare"), last), last
+    evs = events(tmp_path / "d")
+    assert "restart" not in kinds(evs) and kinds(evs).count("attempt_start") == 1
+    assert one(evs, "classified")["fault_class"] == "user_error"
+    assert one(evs, "run_end")["exit_code"] == 2
