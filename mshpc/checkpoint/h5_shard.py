@@ -50,9 +50,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A host tensor's bytes as numpy, without a copy (bfloat16 as its uint16 bits)."""
+    """A host tensor's bytes as numpy, without a copy (bfloat16 as its uint16 bits: the storage
+    dtype `check_datasets` expects)."""
     if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
+        return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
 
 

@@ -1,11 +1,12 @@
 import dataclasses
 
 import h5py
+import numpy as np
 import pytest
 import torch
 
 from mshpc.checkpoint import shard_read
-from mshpc.checkpoint.h5_shard import from_bytes, write_shard
+from mshpc.checkpoint.h5_shard import check_datasets, from_bytes, write_shard
 from mshpc.checkpoint.shard_read import ReadStats, ShardFiles, read_entries
 from mshpc.tensor_slice import TensorSlice
 from mshpc.errors import CheckpointError
@@ -41,6 +42,15 @@ def test_plain_h5py_reads_the_shard(tmp_path):
         assert f["model/w"].shape == (3, 4)
         assert torch.equal(torch.from_numpy(f["model/w"][()]), w)
         assert list(f["model/w"].attrs["global_shape"]) == [3, 4]
+
+
+def test_bfloat16_is_stored_as_its_uint16_bits_and_verifies(tmp_path):
+    t = torch.randn(5).to(torch.bfloat16)
+    entries = write_shard(tmp_path / "s.h5", {"model/b16": TensorSlice.whole(t)})
+    check_datasets(tmp_path / "s.h5", entries)  # what `mshpc ckpt verify` asks of the HDF5 metadata
+    with h5py.File(tmp_path / "s.h5", "r") as f:
+        assert f["model/b16"].dtype == np.uint16 and f["model/b16"].attrs["dtype"] == "bfloat16"
+        assert torch.equal(torch.from_numpy(f["model/b16"][()].view(np.int16)).view(torch.bfloat16), t)
 
 
 def test_flipped_byte_is_named(tmp_path):
