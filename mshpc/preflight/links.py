@@ -4,7 +4,8 @@ Nodes are paired in rounds (every pair when there are few nodes, by the circle m
 bisections when there are many); in a round each pair exchanges messages both ways at once,
 local rank k with local rank k (on GPU nodes, one NIC rail each). A node whose pairs are all
 slow has a bad link of its own: its `link_gbps` (the median of its pairs) fails the fleet rule.
-A slow pair between two good nodes is a bad link between them, blamed on both."""
+A slow pair between two good nodes is a bad link between them, blamed on both. Either is
+measured again before it excludes anyone (confirm.py): each pair keeps all its samples."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import torch
 
 from mshpc.parallel import comm
 from mshpc.preflight.collectives import pattern
-from mshpc.preflight.record import Record
-from mshpc.preflight.thresholds import Rule
+from mshpc.preflight.record import Record, first
+from mshpc.preflight.thresholds import Rule, failed_samples
 
 
 def schedule(n: int, max_nodes: int, bisections: int, seed: int = 0) -> list[list[tuple[int, int]]]:
@@ -40,6 +41,19 @@ def schedule(n: int, max_nodes: int, bisections: int, seed: int = 0) -> list[lis
         order = rng.sample(range(n), n)
         # strict=False: with an odd n the last node drawn sits this round out
         rounds.append([(min(a, b), max(a, b)) for a, b in zip(order[0::2], order[1::2], strict=False)])
+    return rounds
+
+
+def disjoint_rounds(pairs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`pairs` in rounds where no node is in two pairs, each pair in the first round it fits."""
+    rounds: list[list[tuple[int, int]]] = []
+    for pair in pairs:
+        for r in rounds:
+            if not {x for p in r for x in p} & set(pair):
+                r.append(pair)
+                break
+        else:
+            rounds.append([pair])
     return rounds
 
 
@@ -70,28 +84,33 @@ def exchange_gbps(rank: int, peer: int, numel: int, device: torch.device, sync: 
     return numel * 4 * iters / (time.perf_counter() - start) / 1e9, wrong
 
 
-def pair_values(raw: list[dict]) -> dict[tuple[str, str], float]:
-    """Each node pair's bandwidth: the slowest rail, as either end saw it."""
-    values: dict[tuple[str, str], float] = {}
+def pair_samples(raw: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """Each node pair's samples in the order taken (the first round, then re-measurements): the
+    slowest rail of each, as either end saw it."""
+    by_sample: dict[tuple[str, str], dict[int, float]] = {}
     for r in raw:
-        key = (r["a"], r["b"])
-        values[key] = min(values.get(key, r["gbps"]), r["gbps"])
-    return values
+        taken = by_sample.setdefault((r["a"], r["b"]), {})
+        j = r.get("sample", 0)
+        taken[j] = min(taken.get(j, r["gbps"]), r["gbps"])
+    return {pair: [taken[j] for j in sorted(taken)] for pair, taken in by_sample.items()}
 
 
 def link_records(raw: list[dict], kind_of_node: dict[str, str]) -> list[Record]:
-    """Per node: link_gbps, the median of its pairs (judged later by the fleet rule); per pair:
-    pair_gbps (judged by judge_pairs once the nodes are); wrong data: a failure of both ends."""
-    pairs = pair_values(raw)
+    """Per node: link_gbps, the median of its pairs (judged later by the fleet rule), one sample
+    per round its pairs were all measured in; per pair: pair_gbps (judged by judge_pairs once the
+    nodes are); each the best of its samples. Wrong data: a failure of both ends."""
+    pairs = pair_samples(raw)
     size = raw[0]["size_bytes"] if raw else None
     records = []
     for node in sorted({n for pair in pairs for n in pair}):
-        mine = [v for pair, v in pairs.items() if node in pair]
-        records.append(Record(node, "network", "link_gbps", statistics.median(mine), "GB/s", kind=kind_of_node[node],
-                              scope="link", size_bytes=size, detail=f"median of {len(mine)} pairs, each way"))
-    for (a, b), value in sorted(pairs.items()):
-        records.append(Record(a, f"{a}<->{b}", "pair_gbps", value, "GB/s", kind=kind_of_node[a], scope="link",
-                              size_bytes=size, detail="slowest rail, each way"))
+        mine = [samples for pair, samples in pairs.items() if node in pair]
+        rounds = [statistics.median(samples[j] for samples in mine) for j in range(min(map(len, mine)))]
+        records.append(Record(node, "network", "link_gbps", max(rounds), "GB/s", kind=kind_of_node[node],
+                              scope="link", size_bytes=size, detail=f"median of {len(mine)} pairs, each way",
+                              samples=rounds))
+    for (a, b), samples in sorted(pairs.items()):
+        records.append(Record(a, f"{a}<->{b}", "pair_gbps", max(samples), "GB/s", kind=kind_of_node[a], scope="link",
+                              size_bytes=size, detail="slowest rail, each way", samples=samples))
     for r in raw:
         if r["wrong"]:
             for node in (r["a"], r["b"]):
@@ -106,16 +125,17 @@ def judge_pairs(records: list[Record], fleet: Rule | None) -> list[Record]:
     links = {r.node: r for r in records if r.test == "link_gbps"}
     if fleet is None or fleet.fail is None or not links:
         return records
-    median = statistics.median(r.value for r in links.values() if r.value is not None)
+    median = statistics.median(first(r) for r in links.values() if r.value is not None)  # as verdict._fleet
     limit = f"fail < {fleet.fail:g} x median {median:.4g} (of the nodes' link_gbps)"
     out = [r for r in records if r.test != "pair_gbps"]
     for r in (r for r in records if r.test == "pair_gbps"):
         a, b = r.device.split("<->")
+        r = dataclasses.replace(r, threshold=limit, failed=failed_samples(r.samples, fleet.fail * median, "higher"))
         if r.value is not None and r.value >= fleet.fail * median:
-            out.append(dataclasses.replace(r, status="pass", threshold=limit))
+            out.append(dataclasses.replace(r, status="pass"))
             continue
         failed = [n for n in (a, b) if links[n].status == "fail"]
         why = "slow because this node's link is" if failed else "slow between two good nodes: the link itself"
-        out += [dataclasses.replace(r, node=n, status="fail", threshold=limit, detail=why) for n in (failed or [a, b])]
+        out += [dataclasses.replace(r, node=n, status="fail", detail=why) for n in (failed or [a, b])]
     return out
 

@@ -25,6 +25,10 @@ class Record:
     kind: str = ""  # the device type its thresholds come from: H100, H200, A100, CPU, ...
     scope: str = "device"  # device | node | link | group
     size_bytes: int | None = None  # collectives and link tests
+    # every measurement of a noisy rate (device tests' repetitions, a link's re-measurements):
+    # `value` is the best of them, so a failure means that every sample failed
+    samples: list[float] = dataclasses.field(default_factory=list)
+    failed: int | None = None  # how many of `samples` are beyond the fail limit (set by the judge)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -32,6 +36,17 @@ class Record:
     @staticmethod
     def from_json(data: dict[str, Any]) -> Record:
         return Record(**data)
+
+    @property
+    def sample_count(self) -> int:
+        """How many measurements decided this record (one unless it keeps its samples)."""
+        return max(1, len(self.samples))
+
+
+def first(r: Record) -> float:
+    """A measured record's first sample: what the fleet's median is taken over."""
+    assert r.value is not None, r
+    return r.samples[0] if r.samples else r.value
 
 
 def worst(statuses: list[str]) -> str:

@@ -45,6 +45,17 @@ class Rule:
     warn: float | None = None
 
 
+def beyond(value: float, limit: float | None, better: str) -> bool:
+    """Whether `value` is on the wrong side of `limit` (None: no limit)."""
+    if limit is None:
+        return False
+    return value < limit if better == "higher" else value > limit
+
+
+def failed_samples(samples: list[float], limit: float | None, better: str) -> int:
+    return sum(beyond(s, limit, better) for s in samples)
+
+
 @dataclass(frozen=True)
 class Thresholds:
     devices: dict[str, dict[str, Rule]]  # device type -> metric -> rule

@@ -26,6 +26,8 @@ class Tier:
     warmup: dict[str, int]  # untimed collective runs per size (nccl-tests -w)
     iters: dict[str, int]  # timed runs per size (nccl-tests -n)
     pair_bytes: dict[str, int]  # message size of the pairwise link test
+    confirm_samples: int = 3  # a slow rate excludes a node only if this many samples all fail (confirm.py)
+    confirm_pause_s: float = 1.0  # before each re-measurement, so that one burst of load is not all samples
 
 
 TIERS = {

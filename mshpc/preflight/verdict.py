@@ -13,18 +13,27 @@ from typing import Any
 
 from mshpc.preflight.hostlist import compress
 from mshpc.preflight.links import judge_pairs
-from mshpc.preflight.record import Record, worst
-from mshpc.preflight.thresholds import METRICS, Rule, Thresholds
+from mshpc.preflight.record import Record, first, worst
+from mshpc.preflight.thresholds import METRICS, Rule, Thresholds, beyond, failed_samples
 
 JUDGED = ("info",)  # records still to judge; "na", "skip" and preset failures keep their status
 
 
+def _scaled(limit: float | None, scale: float) -> float | None:
+    return None if limit is None else limit * scale
+
+
 def _grade(value: float, rule: Rule, better: str, scale: float = 1.0) -> str:
-    def beyond(limit: float | None) -> bool:
-        if limit is None:
-            return False
-        return value < limit * scale if better == "higher" else value > limit * scale
-    return "fail" if beyond(rule.fail) else "warn" if beyond(rule.warn) else "pass"
+    return ("fail" if beyond(value, _scaled(rule.fail, scale), better)
+            else "warn" if beyond(value, _scaled(rule.warn, scale), better) else "pass")
+
+
+def _failed(r: Record, rule: Rule, better: str, scale: float = 1.0) -> int | None:
+    """How many of the record's samples fail `rule`, counted with those that failed an earlier
+    rule (limits are one-sided, so the larger count is the union); None without samples."""
+    if not r.samples:
+        return None
+    return max(r.failed or 0, failed_samples(r.samples, _scaled(rule.fail, scale), better))
 
 
 def _describe(rule: Rule, better: str, what: str) -> str:
@@ -54,14 +63,16 @@ def _absolute(records: list[Record], th: Thresholds) -> list[Record]:
         found = th.absolute(r.kind, r.test)
         if r.status in JUDGED and better and found and r.value is not None and i in judged:
             rule, whose = found
-            r = dataclasses.replace(r, status=_grade(r.value, rule, better),
+            r = dataclasses.replace(r, status=_grade(r.value, rule, better), failed=_failed(r, rule, better),
                                     threshold=f"{_describe(rule, better, '')} ({whose})")
         out.append(r)
     return out
 
 
 def _fleet(records: list[Record], th: Thresholds) -> list[Record]:
-    """Each fleet-ruled metric against the median of the same metric on the same device type."""
+    """Each fleet-ruled metric against the median of the same metric on the same device type,
+    taken over the first samples: every device measured alike, before any was measured again
+    (the best of several samples would raise the median over single ones)."""
     judged = _largest_sizes(records)
     groups: dict[tuple[str, str], list[tuple[int, float]]] = {}  # (index, value) by (test, kind)
     for i, r in enumerate(records):
@@ -69,14 +80,15 @@ def _fleet(records: list[Record], th: Thresholds) -> list[Record]:
             groups.setdefault((r.test, r.kind), []).append((i, r.value))
     out = list(records)
     for (test, _), members in groups.items():
-        median = statistics.median(value for _, value in members)
+        median = statistics.median(first(records[i]) for i, _ in members)
         rule, better = th.fleet[test], METRICS[test][1] or "higher"
         for i, value in members:
             r = records[i]
             own = r.status if r.status != "info" else "pass"  # the device-type limit's verdict, if any
             status = worst([_grade(value, rule, better, median), own])
             limit = _describe(rule, better, f" x median {median:.4g}")
-            out[i] = dataclasses.replace(r, status=status, threshold="; ".join(filter(None, [r.threshold, limit])))
+            out[i] = dataclasses.replace(r, status=status, failed=_failed(r, rule, better, median),
+                                         threshold="; ".join(filter(None, [r.threshold, limit])))
     return out
 
 
@@ -127,12 +139,17 @@ def _value(r: Record) -> str:
     return "-" if r.value is None else f"{r.value:.4g}"
 
 
+def _samples(r: Record) -> str:
+    return "" if r.failed is None else f" ({r.failed} of {len(r.samples)} samples failed; the best counts)"
+
+
 def table(v: Verdict) -> str:
     """The human table: one line per record, then one per node, then the verdict."""
     rows = [("NODE", "DEVICE", "TEST", "SIZE", "VALUE", "UNIT", "STATUS", "THRESHOLD / DETAIL")]
     for r in sorted(v.records, key=lambda r: (r.node, r.device, r.test, r.size_bytes or 0)):
         size = "" if r.size_bytes is None else f"{r.size_bytes / 2**20:g}M"
-        rows.append((r.node, r.device, r.test, size, _value(r), r.unit, r.status.upper(), r.threshold or r.detail))
+        rows.append((r.node, r.device, r.test, size, _value(r), r.unit, r.status.upper(),
+                     (r.threshold or r.detail) + _samples(r)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1] for row in rows]
     lines += [f"node {node}: {status.upper()}" for node, status in v.nodes.items()]

@@ -86,6 +86,11 @@ def test_injected_faults_fail_exactly_their_rank_node_and_link(tmp_path):
     assert failed["pf4"] == {"link_gbps", "pair_gbps"}
     slow_pairs = {r["device"] for r in doc["records"] if r["test"] == "pair_gbps" and r["status"] == "fail"}
     assert slow_pairs == {"pf1<->pf4", "pf2<->pf4", "pf3<->pf4"}  # each blamed on pf4 alone
+    # confirmed before excluding: pf4's pairs measured again, every sample slow; the slowed GEMM
+    # slow in every repetition
+    confirmed = [r for r in doc["records"] if r["status"] == "fail" and r["test"] in ("link_gbps", "pair_gbps",
+                                                                                     "gemm_tflops")]
+    assert confirmed and all((len(r["samples"]), r["failed"]) == (3, 3) for r in confirmed), confirmed
     wrong = next(r for r in doc["records"] if r["node"] == "pf3" and r["test"] == "gemm_rel_error")
     assert wrong["value"] > 1 and wrong["rank"] == 2
 
