@@ -159,6 +159,17 @@ def write_shard(path: Path, items: dict[str, TensorSlice]) -> list[TensorEntry]:
         ]
 
 
+def rewrite_data(path: Path, offset: int, data: np.ndarray) -> None:
+    """Overwrite a contiguous dataset's bytes in place, at `offset` of the shard `path`, and
+    fsync: its HDF5 metadata stays as it is."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        _pwrite_all(fd, data.reshape(-1).data.cast("B"), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def dataset_offsets(path: Path) -> dict[str, int | None]:
     """Every dataset of a shard and where its contiguous data starts (None: chunked, compact or
     empty), from the file's own HDF5 metadata."""

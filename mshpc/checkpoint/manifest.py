@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mshpc.checkpoint.paths import fsync_dir
 from mshpc.errors import CheckpointError
 
 FORMAT = "mshpc-checkpoint"
@@ -75,6 +76,18 @@ def write_manifest(folder: Path, m: Manifest) -> None:
         f.write(to_json(m))
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_manifest(folder: Path, m: Manifest) -> None:
+    """Replace a committed checkpoint's manifest atomically (a new file renamed over the old),
+    so a crash leaves the old manifest or the new one, never half of one."""
+    tmp = folder / f".{MANIFEST_FILE}.tmp"
+    with open(tmp, "w") as f:
+        f.write(to_json(m))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST_FILE)
+    fsync_dir(folder)  # the rename itself
 
 
 def _entry(raw: dict[str, Any]) -> TensorEntry:

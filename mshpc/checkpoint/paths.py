@@ -32,7 +32,7 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -51,7 +51,7 @@ def publish(root: Path, step: int) -> Path:
         link.unlink()
     link.symlink_to(final.name)
     os.replace(link, root / LATEST)
-    _fsync_dir(root)
+    fsync_dir(root)
     return final
 
 

@@ -90,6 +90,16 @@ class CheckpointReader:
         shape = self.global_shape(name)
         return self.read(*self.whole(name)).reshape(shape)
 
+    def check(self, entries: list[TensorEntry]) -> int:
+        """Read and verify `entries` in batches, holding none of them; return the bytes checked.
+        Raises CheckpointError at the first unreadable or corrupt one."""
+        return sum(len(b) for batch in _batches(entries, VERIFY_BATCH_BYTES)
+                   for b in read_entries(self._files, batch, self.stats))
+
+    def data_offset(self, e: TensorEntry) -> int:
+        """Where the entry's bytes start in its shard file."""
+        return self._files.offset(e)
+
     def verify_all(self) -> int:
         """Read and check every entry, and that each shard's HDF5 metadata agrees with the
         manifest; return the bytes verified. Nothing stays held."""
@@ -99,8 +109,7 @@ class CheckpointReader:
         total = 0
         for file, entries in sorted(by_file.items()):
             check_datasets(self.folder / file, entries)
-            for batch in _batches(entries, VERIFY_BATCH_BYTES):
-                total += sum(len(b) for b in read_entries(self._files, batch, self.stats))
+            total += self.check(entries)
         return total
 
     def close(self) -> None:

@@ -62,9 +62,9 @@ def _try(folder: Path, stage: Stage, group: dist.ProcessGroup
         return None, None, None, str(exc)
 
 
-def resume_from(folders: list[Path], stage: Stage, group: dist.ProcessGroup) -> Manifest | None:
-    """Collective over `group` (a gloo group of all ranks). Returns the manifest of the
-    checkpoint installed, None when there is none, and raises if every one is unusable."""
+def resume_from(folders: list[Path], stage: Stage, group: dist.ProcessGroup) -> tuple[Path, Manifest] | None:
+    """Collective over `group` (a gloo group of all ranks). Returns the folder and manifest of
+    the checkpoint installed, None when there is none, and raises if every one is unusable."""
     folders = [Path(p) for p in comm.all_gather_json([str(f) for f in folders], group=group)[0]]
     problems = []
     for folder in folders:
@@ -78,7 +78,7 @@ def resume_from(folders: list[Path], stage: Stage, group: dist.ProcessGroup) -> 
         assert manifest is not None and reader is not None and install is not None
         install()
         reader.close()
-        return manifest
+        return folder, manifest
     if problems:
         raise CheckpointError(f"no usable checkpoint among {len(folders)}; newest problem: {problems[0]}")
     return None

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 from mshpc.checkpoint.group_read import load_for_group
+from mshpc.checkpoint.manifest import Manifest
+from mshpc.checkpoint.model_copy import repair_on_resume
 from mshpc.checkpoint.paths import remove_stale_tmp
 from mshpc.checkpoint.reader import CheckpointReader, Request
 from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra
@@ -98,8 +100,8 @@ class TrainCheckpointer:
         self.engine.wait_params()  # the weights of this step, not half-gathered ones
         slices = {**rng_slices(self.rank), **self.engine.state_slices()}
         # The dp-replicated weights (each tp rank its own shards), for inference and inspection,
-        # spread over the dp ranks; resume rebuilds them from the fp32 masters, so they are never
-        # read back.
+        # spread over the dp ranks; resume rebuilds the weights from the fp32 masters and only
+        # checks this copy (model_copy.py).
         slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, self.cfg.parallel.dp))
         blocking = self.saver.save(step, slices, self._extras(step))
         if self.cfg.checkpoint.async_save:  # stage 1 overlaps the next forward and backward
@@ -136,11 +138,36 @@ class TrainCheckpointer:
             if not folders[0].is_dir():
                 raise CheckpointError(f"train.resume={mode!r}: no such checkpoint folder (or use 'auto'/'never')")
         start = time.perf_counter()
-        manifest = resume_from(folders, self._stage, self.group)
-        if manifest is None:
+        picked = resume_from(folders, self._stage, self.group)
+        if picked is None:
             return 0
-        self._report_restore(manifest.step, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        folder, manifest = picked
+        start = time.perf_counter()
+        self._repair_model_copy(folder, manifest)
+        self._report_restore(manifest.step, seconds, time.perf_counter() - start)
         return manifest.step
+
+    def _repair_model_copy(self, folder: Path, manifest: Manifest) -> None:
+        """Collective over all ranks: the checkpoint just taken is trusted only with its model/
+        copy checked; rank 0 writes an event for each bad tensor, rebuilt from the masters."""
+        repairs, manifest_error = repair_on_resume(folder, manifest, self.group)
+        if self.rank != 0:
+            return
+        for r in repairs:
+            fields = {"step": manifest.step, "tensor": r.tensor, "file": str(folder / r.file),
+                      "problem": r.problem}
+            if r.error is None:
+                append_event(run_path(self.cfg), "checkpoint_repaired", **fields)
+                log.warning("checkpoint %s: rebuilt the model copy %s in %s from the masters (%s)",
+                            folder, r.tensor, r.file, r.problem)
+            else:
+                append_event(run_path(self.cfg), "checkpoint_repair_failed", **fields, error=r.error)
+                log.warning("checkpoint %s: the model copy %s in %s is bad (%s) and could not be rebuilt: "
+                            "%s; training goes on from the masters", folder, r.tensor, r.file, r.problem, r.error)
+        if manifest_error is not None:
+            append_event(run_path(self.cfg), "checkpoint_repair_failed", step=manifest.step, error=manifest_error)
+            log.warning("checkpoint %s: %s", folder, manifest_error)
 
     def _requests(self, reader: CheckpointReader, relayout: Relayout, same_world: bool) -> list[Request]:
         """What this rank needs: its own 1/dp range of the masters and optimizer state (at
@@ -190,14 +217,16 @@ class TrainCheckpointer:
 
         return install
 
-    def _report_restore(self, step: int, seconds: float) -> None:
+    def _report_restore(self, step: int, seconds: float, model_check_s: float) -> None:
         """Collective over all ranks: rank 0 logs the restore and appends one event with what
-        each rank read from the file system and received from its dp peers."""
+        each rank read from the file system and received from its dp peers, and the seconds the
+        model copy's check took after it."""
         ranks = comm.all_gather_json(self._restored, group=self.group)
         if self.rank != 0:
             return
         fields = {key: [r[key] for r in ranks] for key in ranks[0]}
-        append_event(run_path(self.cfg), "checkpoint_restore", step=step, seconds=round(seconds, 3), **fields)
+        append_event(run_path(self.cfg), "checkpoint_restore", step=step, seconds=round(seconds, 3),
+                     model_check_s=round(model_check_s, 3), **fields)
         log.info("resumed from step %d in %.1f s: %.1f MiB read by %d ranks, %.1f MiB broadcast",
                  step, seconds, sum(fields["bytes_read"]) / 2**20, sum(1 for b in fields["bytes_read"] if b),
                  sum(fields["bytes_received"]) / 2**20)

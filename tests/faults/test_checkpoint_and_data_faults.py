@@ -1,5 +1,6 @@
-"""Bad bytes under a supervised run, each found where it lies and named: a data shard cut short
-under the running job stops it at once as a data error (exit 2), not as a node fault."""
+"""Bad bytes under a supervised run, each found where it lies and named: a corrupt model/ copy in
+the checkpoint a rerun resumes from is rebuilt from the masters, not kept; a data shard cut
+short under the running job stops it at once as a data error (exit 2), not as a node fault."""
 
 import os
 import re
@@ -9,9 +10,50 @@ import sys
 import time
 from pathlib import Path
 
-from support.cli_runner import REPO, read_metrics, train_args
-from support.fault_runs import SUPERVISED, events, kinds, one
+import h5py
+from support.cli_runner import REPO, mshpc, read_metrics, train_args
+from support.fault_runs import SUPERVISED, assert_recovered_exactly, events, kinds, one, supervised
 from support.token_data import make_random_dataset
+
+TENSOR = "model/layers.0.mlp.fc.weight"
+
+
+def flip_model_byte(ckpt: Path, dataset: str) -> Path:
+    """Flip one byte of `dataset` in whichever shard of checkpoint `ckpt` holds it; that shard."""
+    for shard in sorted(ckpt.glob("shard-*.h5")):
+        with h5py.File(shard, "r") as f:
+            if dataset not in f:
+                continue
+            offset = f[dataset].id.get_offset()
+        with open(shard, "r+b") as f:
+            f.seek(offset + 16)
+            byte = f.read(1)
+            f.seek(offset + 16)
+            f.write(bytes([byte[0] ^ 0x01]))
+        return shard
+    raise AssertionError(f"no shard of {ckpt} holds {dataset}")
+
+
+def test_a_corrupt_model_copy_is_rebuilt_from_the_masters_on_resume(reference, tmp_path, corpus_cache):
+    # the first run ends at step 6 (synchronous saves: its checkpoint is committed), no restart
+    first = supervised(tmp_path, corpus_cache, "m", "checkpoint.async_save=false", "supervisor.max_restarts=0",
+                       faults="kill:rank=1:step=6")
+    assert first.returncode != 0, first.stderr[-3000:]
+    ckpts = tmp_path / "m" / "checkpoints"
+    assert os.readlink(ckpts / "latest") == "step-0000006"
+    shard = flip_model_byte(ckpts / "step-0000006", TENSOR)
+    assert mshpc("ckpt", "verify", str(ckpts)).returncode == 1  # the inference weights are bad
+    out = supervised(tmp_path, corpus_cache, "m")  # reruns to step 8, from step 6
+    assert out.returncode == 0, out.stderr[-3000:]
+    evs = events(tmp_path / "m")
+    repaired = one(evs, "checkpoint_repaired")
+    assert (repaired["step"], repaired["tensor"]) == (6, TENSOR)
+    assert Path(repaired["file"]).resolve() == shard.resolve()
+    assert "checksum mismatch" in repaired["problem"]
+    assert f"rebuilt the model copy {TENSOR}" in out.stderr
+    verified = mshpc("ckpt", "verify", str(ckpts))
+    assert verified.returncode == 0 and "step-0000006: OK" in verified.stdout, verified.stdout + verified.stderr
+    assert_recovered_exactly(tmp_path / "m", reference)
 
 
 def start_supervised(tmp_path: Path, cache: Path, name: str, *overrides: str) -> subprocess.Popen:
