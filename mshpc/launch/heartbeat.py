@@ -7,7 +7,9 @@ must not wait for a beat to carry it). The thread does the rest every `heartbeat
 per-phase median durations (the supervisor's timeouts are calibrated from them), the flight
 recorder's per-group counts and last record, and on request a dump of every thread's Python
 stack (faulthandler) and the whole flight recorder. Messages are JSON lines; nothing received is
-executed.
+executed. When the supervisor's end of the connection closes while the rank trains (the
+supervisor was killed, or its node lost), nobody will stop or restart the rank: it stops itself,
+after a checkpoint at the next step boundary if that comes within the stop grace, else at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import select
 import socket
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -29,6 +32,7 @@ from typing import Any
 from mshpc.config import Config
 from mshpc.errors import MshpcError
 from mshpc.launch.env import SupervisorLink
+from mshpc.launch.requeue import STOP_REQUEST_SIGNAL
 from mshpc.loss_check import LossDiverged
 from mshpc.mesh_shape import MeshShape
 from mshpc.parallel.comm import RECORDER
@@ -39,18 +43,23 @@ log = logging.getLogger(__name__)
 PHASES = ("setup", "data", "step", "checkpoint")
 MIN_SAMPLES = 3  # a phase's median means something after this many
 _WINDOW = 64  # recent durations kept per phase
+ORPHAN_EXIT = 1  # a rank that outlived its supervisor and could not stop in order
 
 
 class Heartbeat:
-    """One per rank. Without a supervisor (`link` None) it only records the phases."""
+    """One per rank. Without a supervisor (`link` None) it only records the phases. With
+    `orphan_grace_s`, a rank whose supervisor is gone stops itself (STOP_REQUEST_SIGNAL, which the
+    train loop's watcher handles) and exits after that many seconds if it has not stopped."""
 
     def __init__(self, link: SupervisorLink | None, hello: dict[str, Any], interval_s: float,
-                 schedule: SaveSchedule) -> None:
+                 schedule: SaveSchedule, orphan_grace_s: float | None = None) -> None:
         self.link, self.hello, self.interval_s, self.schedule = link, hello, interval_s, schedule
+        self.orphan_grace_s = orphan_grace_s
         self._current = ("setup", -1, time.monotonic())  # (phase, step, entered at)
         self._start_step: int | None = None
         self._durations: dict[str, collections.deque[float]] = {p: collections.deque(maxlen=_WINDOW) for p in PHASES}
         self._sock: socket.socket | None = None
+        self._connected = False  # once: a supervisor that never answered is not one that went away
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mshpc-heartbeat", daemon=True)
@@ -116,6 +125,7 @@ class Heartbeat:
             log.error("cannot reach the supervisor at %s:%d (%s): no heartbeats", self.link.host, self.link.port, exc)
             return
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._connected = True
         self._send({"type": "hello", "token": self.link.token, "pid": os.getpid(), **self.hello})
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -131,6 +141,12 @@ class Heartbeat:
     # ---------------------------------------------------------------- the side thread
 
     def _run(self) -> None:
+        self._listen()
+        if self._connected and not self._stop.is_set():  # it ended while the rank goes on, not by its exit
+            self._orphaned()
+
+    def _listen(self) -> None:
+        """Beat every interval and answer dump requests until the rank exits or the connection ends."""
         buffered = b""
         while not self._stop.is_set() and self._sock is not None:
             self._send(self._beat())
@@ -147,6 +163,26 @@ class Heartbeat:
                 line, buffered = buffered.split(b"\n", 1)
                 if json.loads(line).get("type") == "dump":
                     self._send(self._dump())
+
+    def _orphaned(self) -> None:
+        """The supervisor is gone: stop as on its stop request (every rank sees its connection
+        close and they agree on a step boundary), bounded by the grace; nobody else will stop us."""
+        assert self.link is not None
+        where = f"{self.link.host}:{self.link.port}"
+        if self.orphan_grace_s is None:
+            log.error("the supervisor at %s is gone (its heartbeat connection closed)", where)
+            return
+        log.error("the supervisor at %s is gone (its heartbeat connection closed): stopping after a checkpoint "
+                  "at the next step, or in %g s without one", where, self.orphan_grace_s)
+        os.kill(os.getpid(), STOP_REQUEST_SIGNAL)  # the main thread's handler sets the stop flag
+        if self._stop.wait(self.orphan_grace_s):
+            return
+        log.error("the supervisor is gone and this rank did not stop within %g s: exiting without a checkpoint",
+                  self.orphan_grace_s)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(ORPHAN_EXIT)  # the main thread may be blocked in a collective whose peer is gone
 
     def _beat(self) -> dict[str, Any]:
         phase, step, since = self._current
@@ -171,4 +207,5 @@ def start_heartbeat(cfg: Config, link: SupervisorLink | None, rank: int, node: s
     """The heartbeat of `rank` (use it as a context manager); it talks only when `link` is set."""
     shape = MeshShape(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp)
     hello = {"rank": rank, "host": node, "coords": str(shape.coords(rank))}
-    return Heartbeat(link, hello, cfg.supervisor.heartbeat_interval_s, SaveSchedule.from_config(cfg))
+    return Heartbeat(link, hello, cfg.supervisor.heartbeat_interval_s, SaveSchedule.from_config(cfg),
+                     orphan_grace_s=cfg.supervisor.stop_grace_s)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mshpc.launch.orphan_guard import die_with_parent
 from mshpc.launch.ports import free_port
 
 STOP_GRACE_S = 5.0  # SIGTERM first, so ranks can flush logs; SIGKILL after this
@@ -78,7 +79,11 @@ def _start(argv: Sequence[str], rank: int, nproc: int, port: int, extra_env: dic
         RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MSHPC_BOOTSTRAP="env",
     )
-    proc = subprocess.Popen([sys.executable, "-m", "mshpc", *argv], env=env, stderr=subprocess.PIPE)
+    # Its own session: a signal to the launcher's process group (a terminal's hangup, `timeout`,
+    # Ctrl-C) reaches the launcher only, which stops the ranks in order; and the rank dies with
+    # the launcher, whatever ends it (kill -9 included).
+    proc = subprocess.Popen([sys.executable, "-m", "mshpc", *argv], env=env, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=die_with_parent())
     return RankProcess(rank=rank, proc=proc)
 
 
@@ -127,6 +132,12 @@ class LocalRanks:
         if failed is None:
             return None
         return RankFailure(rank=failed.rank, returncode=failed.proc.returncode, last_lines=tuple(failed.tail))
+
+    def signal_all(self, signum: int) -> None:
+        """Send `signum` to every rank still running."""
+        for r in self.ranks:
+            if r.proc.poll() is None:
+                r.proc.send_signal(signum)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> list[int]:
         """Stop every rank (see `stop_all`); returns the ranks that needed SIGKILL."""

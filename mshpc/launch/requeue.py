@@ -37,6 +37,10 @@ DO_NOT_REQUEUE_EXIT = 2  # the CLI's exit code for any MshpcError (cli.USER_ERRO
 FINISHED_FILE = "FINISHED"
 STATE_FILE = "requeue.json"
 _STOP, _REQUEUE = 1, 2  # what a signal asks for; the strongest one received wins
+# What mshpc's supervisor sends its ranks to ask for a stop checkpoint (and what a rank sends
+# itself when its supervisor is gone). Not SIGTERM: a local supervisor stops failed attempts' ranks
+# with SIGTERM, at once, and a survivor blocked in a collective must not wait for a step boundary.
+STOP_REQUEST_SIGNAL = signal.SIGHUP
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,12 @@ class PreemptionWatcher:
     def __init__(self, cfg: SlurmConfig, env: LaunchEnv, wants: dict[int, int]) -> None:
         self.cfg, self.env, self.wants = cfg, env, wants
         self.received = 0
+        self.signals: list[str] = []  # the names of the signals received here, for the last line
         self._previous: dict[int, Any] = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.received = max(self.received, self.wants[signum])
+        self.signals.append(signal.Signals(signum).name)
 
     def install(self) -> None:
         for signum in self.wants:
@@ -103,7 +109,8 @@ class PreemptionWatcher:
         """Collective over the world, after the stop checkpoint is committed: rank 0 requeues the
         job when asked (and the guard allows), the others wait for it, then every rank exits."""
         if rank == 0:
-            log.warning("stopping after a checkpoint (signal %s)", signal.Signals(request.signum).name)
+            got = ", ".join(dict.fromkeys(self.signals)) or "another rank's"
+            log.warning("stopping after a checkpoint (%s signal)", got)
             if request.requeue:
                 requeue_guarded(self.env, cfg)
         from mshpc.parallel import comm
@@ -115,12 +122,15 @@ class PreemptionWatcher:
 def watch_signals(cfg: Config, env: LaunchEnv) -> PreemptionWatcher:
     """Install the handlers: the preempt signal asks for checkpoint + requeue; under MPI also USR1
     (MPICH's mpiexec forwards no other; the template translates); under Slurm, SIGTERM (scancel,
-    the time limit) asks for checkpoint + stop while Slurm's KillWait lasts."""
+    the time limit) asks for checkpoint + stop while Slurm's KillWait lasts; under mshpc's
+    supervisor, STOP_REQUEST_SIGNAL does (the supervisor was told to stop, or is gone)."""
     wants = {signal.Signals["SIG" + cfg.slurm.preempt_signal].value: _REQUEUE}
     if env.launcher == "mpi":
         wants[signal.SIGUSR1.value] = _REQUEUE
     if env.slurm is not None:
         wants[signal.SIGTERM.value] = _STOP
+    if env.supervisor is not None:
+        wants.setdefault(STOP_REQUEST_SIGNAL.value, _STOP)
     watcher = PreemptionWatcher(cfg.slurm, env, wants)
     watcher.install()
     return watcher

@@ -71,6 +71,10 @@ class SlurmStep:
         if self.proc.poll() is None:
             self.proc.send_signal(signum)
 
+    def request_stop(self) -> None:
+        """srun passes SIGTERM to every task, which the ranks under Slurm take as a stop request."""
+        self.signal(signal.SIGTERM)
+
     def update(self, states: dict[int, RankState]) -> None:
         """When the step has ended, every rank that said nothing ended with it."""
         if self.proc.poll() is None:

@@ -5,6 +5,10 @@ up to `supervisor.max_restarts` times. It runs where the ranks are started: `msh
 
 Every decision is an event in <run dir>/events.jsonl; at the end, `run_end` gives the effective
 training time ratio, the failures, the times to detect and to recover.
+
+SIGTERM or SIGHUP to a local supervisor stops the run as scancel does under Slurm: the ranks
+checkpoint at their next step boundary (at once if they have not begun training, or on a second
+signal), then `run_end` and a last line; no restart follows.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import signal
 import socket
 import sys
 import time
@@ -27,7 +32,8 @@ from mshpc.launch.detection import Detection, all_finished, detect, stop_request
 from mshpc.launch.hang_report import REPORT_FILE, Missing, missing_ranks, where, write_hang_report
 from mshpc.launch.monitor import Monitor, RankState
 from mshpc.launch.recovery import NodePool, PastFailure, Verdict, classify
-from mshpc.launch.requeue import JobStopped
+from mshpc.launch.requeue import STOP_REQUEST_SIGNAL, JobStopped
+from mshpc.launch.stop_signals import stop_signals_to
 from mshpc.run_dir import run_path
 from mshpc.run_lock import hold_run_lock
 
@@ -46,6 +52,7 @@ class Ranks(Protocol):
     """One attempt's ranks, however they were started (local processes, an srun step)."""
 
     def update(self, states: dict[int, RankState]) -> None: ...  # what the launcher knows of exits
+    def request_stop(self) -> None: ...  # ask for a checkpoint at the next step boundary, then exit
     def stop(self, grace_s: float) -> list[int]: ...  # SIGTERM, then SIGKILL; ranks that needed it
 
 
@@ -89,6 +96,15 @@ class Supervisor:
         self._last_verdict: Verdict | None = None
         self.stopping = False  # set when the job is told to stop (scancel, time limit): no restarts
         self.requeued = False
+        self.stop_signal: int | None = None  # the first stop signal this supervisor received
+        self.stop_signals = 0  # how many: a second one stops the ranks at once
+
+    def request_stop(self, signum: int) -> None:
+        """A stop signal (SIGTERM, SIGHUP) to this supervisor; runs in the signal handler, so it
+        only counts: the watch loop passes it on to the ranks."""
+        self.stopping = True
+        self.stop_signal = self.stop_signal or signum
+        self.stop_signals += 1
 
     def event(self, kind: str, **fields: Any) -> None:
         append_event(self.run_dir, kind, **fields)
@@ -111,7 +127,7 @@ class Supervisor:
             if det is None and code == 0:
                 return self._end("finished", code)
             if det is None:  # stopped on request after a checkpoint: as the ranks did, not a failure
-                raise JobStopped(self._end("stopped", code))
+                raise JobStopped(self._stopped(code))
             if not self._recoverable(det, restarts):
                 return self._failed(det)
             restarts += 1
@@ -124,6 +140,17 @@ class Supervisor:
         if self.requeued:  # the job goes on elsewhere: no result to record (submitit)
             raise JobStopped(code)
         print(f"mshpc: {det.detail}", file=sys.stderr)
+        return code
+
+    def _stopped(self, code: int) -> int:
+        """The end of a run stopped on request; the exit code is 128 + the signal, as a shell reports."""
+        if self.stop_signal is not None:  # this supervisor's signal; else the ranks' (Slurm's, to them)
+            code = 128 + self.stop_signal
+        code = self._end("stopped", code)
+        why = signal.Signals(self.stop_signal).name if self.stop_signal else f"a stop request to the ranks (exit {code})"
+        latest = _latest_committed(self.cfg)
+        print(f"mshpc: stopped by {why}; latest checkpoint: {'none' if latest is None else f'step {latest}'} "
+              "(the same command resumes from it)", file=sys.stderr)
         return code
 
     def _attempt(self, number: int) -> tuple[int, Detection | None]:
@@ -147,7 +174,7 @@ class Supervisor:
             monitor.close()
 
     def _watch(self, monitor: Monitor, ranks: Ranks, attempt: Attempt) -> tuple[int, Detection | None]:
-        done_at = None
+        done_at, passed = None, 0  # passed: the stop signals handled in this attempt
         while True:
             monitor.changed.wait(POLL_S)
             monitor.changed.clear()
@@ -156,6 +183,13 @@ class Supervisor:
             # finished, or stopping on request (a checkpoint after a signal): let the ranks exit
             # on their own (teardown, submitit's result files) before stopping any
             code = 0 if all_finished(monitor.ranks) else stop_request(monitor.ranks)
+            if self.stop_signals > passed:
+                at_once = passed > 0 or (code is None and monitor.ranks[0].start_step is None)
+                passed = self.stop_signals
+                if at_once:
+                    return self._stop_now(ranks, attempt), None
+                if code is None:
+                    self._ask_to_stop(ranks, attempt)
             if code is not None:
                 done_at = done_at or time.monotonic()
                 exited = all(s.exited_at is not None for s in monitor.ranks.values())
@@ -165,6 +199,25 @@ class Supervisor:
             det = detect(monitor.ranks, self.scfg, attempt.started_at)
             if det is not None:
                 return det.exit_code, det
+
+    def _ask_to_stop(self, ranks: Ranks, attempt: Attempt) -> None:
+        """The ranks train: they checkpoint at their next step boundary and exit (stop_request);
+        the hang timeouts still apply meanwhile."""
+        assert self.stop_signal is not None
+        name = signal.Signals(self.stop_signal).name
+        self.event("stop_requested", attempt=attempt.number, signal=name, how="a checkpoint at the next step")
+        log.warning("supervisor: %s: the ranks stop after a checkpoint at the next step (again: at once)", name)
+        ranks.request_stop()
+
+    def _stop_now(self, ranks: Ranks, attempt: Attempt) -> int:
+        """Still in set-up (nothing to checkpoint yet), or a second signal: stop the ranks now."""
+        assert self.stop_signal is not None
+        self.event("stop_requested", attempt=attempt.number, signal=signal.Signals(self.stop_signal).name,
+                   how="at once")
+        began = time.monotonic()
+        killed = ranks.stop(self.scfg.stop_grace_s)
+        self.event("ranks_stopped", attempt=attempt.number, stop_s=time.monotonic() - began, sigkilled=killed)
+        return 128 + self.stop_signal
 
     def _last_words(self, monitor: Monitor, attempt: Attempt) -> None:
         """An exit seen by the launcher can overtake the rank's last message in the monitor's
@@ -347,7 +400,9 @@ def supervise_local(cfg: Config, argv: list[str], nproc: int) -> int:
     def start(attempt: int, active: list[str], env: dict[str, str]) -> Ranks:
         return _LocalAttempt(LocalRanks(argv, [{**env, "MSHPC_NODE": active[r // per]} for r in range(nproc)]))
 
-    return Supervisor(cfg, nproc, NodePool(hosts, needed, cfg.supervisor.evict_after), start, "127.0.0.1").run()
+    sup = Supervisor(cfg, nproc, NodePool(hosts, needed, cfg.supervisor.evict_after), start, "127.0.0.1")
+    with stop_signals_to(sup.request_stop):
+        return sup.run()
 
 
 class _LocalAttempt:
@@ -362,6 +417,9 @@ class _LocalAttempt:
                 s = states[rp.rank]
                 s.exit_code, s.exited_at = rp.proc.returncode, rp.exited_wall
                 s.exit_detail = RankFailure(rp.rank, rp.proc.returncode, tuple(rp.tail)).describe()
+
+    def request_stop(self) -> None:
+        self.ranks.signal_all(STOP_REQUEST_SIGNAL)
 
     def stop(self, grace_s: float) -> list[int]:
         return self.ranks.stop(grace_s)
