@@ -138,7 +138,9 @@ def test_kill_9_of_the_supervisor_leaves_no_rank(tmp_path, corpus_cache):
     finally:
         proc.kill()
         proc.wait()
+    killed = time.monotonic()
     assert survivors(ranks, GONE_WITHIN_S) == set(), f"ranks trained on for {GONE_WITHIN_S} s after kill -9 of their supervisor"
+    print(f"kill -9 of the supervisor to no rank left: {time.monotonic() - killed:.2f} s")
 
 
 def test_a_rank_whose_supervisor_is_gone_stops_after_a_checkpoint(tmp_path, corpus_cache):
@@ -160,6 +162,7 @@ def test_a_rank_whose_supervisor_is_gone_stops_after_a_checkpoint(tmp_path, corp
     text = err.read_text()
     assert code == 128 + signal.SIGTERM, text[-2000:]
     assert took < 10, f"the rank took {took:.1f} s to stop"
+    print(f"supervisor connection closed to rank exit: {took:.1f} s")
     assert "is gone (its heartbeat connection closed): stopping after a checkpoint" in text
     assert "Traceback" not in text
     assert last_line(err) == "mshpc: stopping after a checkpoint (SIGHUP signal)"
