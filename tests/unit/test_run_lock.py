@@ -19,6 +19,7 @@ from mshpc.run_lock import (
     LOCK_FILE,
     Holder,
     RunLockError,
+    _check_previous,  # the no-flock rule, tested without a file system that lacks flock
     acquire_run_lock,
     check_run_lock,
     hold_run_lock,
@@ -154,3 +155,15 @@ def test_ranks_check_that_their_starter_holds_the_lock(tmp_path, other):
     gone.kill()
     with pytest.raises(RunLockError, match=f"pid {gone.pid} on .* is gone"):
         check_run_lock(run_dir, token)  # its supervisor died: this rank is an orphan
+
+
+def test_a_holder_on_another_host_is_taken_over_only_when_flock_vouches(tmp_path, caplog):
+    """Where the file system cannot flock, a remote holder's liveness cannot be seen: refused,
+    saying how to go on; where flock works and was free, the remote holder is gone."""
+    path = tmp_path / LOCK_FILE
+    remote = Holder("node-elsewhere", 4242, "earlier", None, "abc")
+    with pytest.raises(RunLockError, match="pid 4242 on node-elsewhere .* remove the lock file if that run is gone"):
+        _check_previous(tmp_path, path, remote, flocked=False)
+    with caplog.at_level(logging.WARNING):
+        _check_previous(tmp_path, path, remote, flocked=True)
+    assert "taking over the stale lock of pid 4242 on node-elsewhere" in caplog.text
