@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from mshpc.batch import Batch
-from mshpc.checkpoint.train_checkpoint import TrainCheckpointer, checkpoint_root
+from mshpc.checkpoint.paths import checkpoint_root
+from mshpc.checkpoint.train_checkpoint import TrainCheckpointer
 from mshpc.config import Config, TrainConfig, resolve_world
 from mshpc.data.loader import BatchLoader
 from mshpc.data.node_reader import ReaderScope

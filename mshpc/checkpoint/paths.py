@@ -11,9 +11,18 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mshpc.config import Config
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
+
+
+def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
+    """Where a run's checkpoints live: `checkpoint.dir`, or <run dir>/checkpoints."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -34,10 +34,6 @@ from mshpc.save_schedule import SaveSchedule
 log = logging.getLogger(__name__)
 
 
-def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-
-
 def build_dp_group(p: ParallelConfig, world: dist.ProcessGroup) -> dist.ProcessGroup:
     """Collective over the world: a gloo group of this rank and its data-parallel peers (the
     ranks with its pp and tp coordinates); the world itself when there is no tp or pp."""

@@ -201,9 +201,9 @@ def write_state(run_dir: Path, state: GuardState) -> None:
 
 
 def latest_checkpoint_step(cfg: Config) -> int | None:
-    # imported here: the checkpoint package pulls in torch and h5py, which the guard does not need
-    from mshpc.checkpoint.paths import latest_step
-    from mshpc.checkpoint.train_checkpoint import checkpoint_root
+    # imported here, and only the torch-free paths module: the supervisor prints its last line
+    # with this, and importing torch for it took seconds on a loaded machine
+    from mshpc.checkpoint.paths import checkpoint_root, latest_step
 
     return latest_step(checkpoint_root(cfg, run_path(cfg)))
 
