@@ -13,47 +13,45 @@ import time
 from pathlib import Path
 
 import pytest
-from support.cli_runner import REPO, mshpc, read_metrics, train_args
+from support.cli_runner import REPO, read_metrics, train_args
 from support.fault_runs import STEPS, SUPERVISED, events, kinds
 
 NAME = "shared"
-# rank 0's forwards slowed from the second step on (~2 s a step here), so the first run is surely
-# still training while the three second runs start and are refused (~15 s in all)
-SLOW = "slow:rank=0:step=1:factor=200"
-FIRST_METRIC_WAIT_S = 240.0  # start-up of 2 ranks on a shared 2-core machine
+# Rank 1 stops itself (SIGSTOP) at the start of step 3, after two steps are logged: the first run
+# is surely mid-training, holding its lock, while the second runs are refused, whatever the load.
+# The test resumes it (SIGCONT) well within the hang timeout (SUPERVISED's 60 s floor).
+PAUSE = "stop:rank=1:step=2:attempt=0"
+START_WAIT_S = 240.0  # start-up of 2 ranks on a shared 2-core machine
+SECOND_TIMEOUT_S = 45.0  # all three second runs together; each is refused in seconds
 
 
-def _start_first(tmp_path: Path, cache: Path) -> tuple[subprocess.Popen, Path]:
-    """The supervised 2-rank run of tests/support/fault_runs.py, as a process that runs on."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI", "OMPI_"))}
-    env["MSHPC_TEST_FAULTS"] = SLOW
-    log = tmp_path / "first.log"
-    argv = [*train_args(tmp_path, cache, *SUPERVISED, name=NAME), "--nproc", "2"]
-    with log.open("w") as out:
-        # its own process group, so a failed test stops its ranks too
-        proc = subprocess.Popen([sys.executable, "-m", "mshpc", *argv], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=REPO, start_new_session=True)
-    return proc, log
+def _start(argv: list[str], env: dict[str, str] | None = None, launcher: tuple[str, ...] = (),
+           **popen) -> subprocess.Popen:
+    """The real `mshpc ARGV` as a process that runs on (the environment support/cli_runner gives)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI", "OMPI_"))}
+    return subprocess.Popen([*launcher, sys.executable, "-m", "mshpc", *argv], env={**full_env, **(env or {})},
+                            cwd=REPO, text=True, **popen)
 
 
-def _wait_for_training(proc: subprocess.Popen, run_dir: Path, log: Path) -> None:
-    deadline = time.monotonic() + FIRST_METRIC_WAIT_S
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert proc.poll() is None, f"the first run ended before training:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "the first run logged no step in time"
+def _stopped_rank(run_dir: Path) -> int | None:
+    """The PID of the rank that stopped itself, once it is stopped and steps 1-2 are logged (rank 0
+    cannot log step 3 without it)."""
+    try:
+        logged = len(read_metrics(run_dir))
+        pid = next(e["pid"] for e in events(run_dir) if e["kind"] == "fault_injected")
+    except (FileNotFoundError, StopIteration, ValueError):  # not yet, or a line caught mid-write
+        return None
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return pid if state == "T" and logged >= 2 else None
+
+
+def _wait_for_pause(first: subprocess.Popen, run_dir: Path, log: Path) -> int:
+    deadline = time.monotonic() + START_WAIT_S
+    while (pid := _stopped_rank(run_dir)) is None:
+        assert first.poll() is None, f"the first run ended before its pause:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "the first run did not reach its pause in time"
         time.sleep(0.1)
-
-
-def _assert_refused(second: subprocess.CompletedProcess, holder_pid: int, ranks: int = 1) -> None:
-    """Exit 2 with one line naming the holder: the last line, or with several ranks one of theirs
-    (mpiexec interleaves them)."""
-    assert second.returncode == 2, second.stderr[-3000:]
-    lines = second.stderr.strip().splitlines()
-    last = lines[-1] if ranks == 1 else next((line for line in lines if "RunLockError" in line), "")
-    assert last.startswith("mshpc: error: RunLockError: ") and "is in use by another run" in last, last
-    assert f"pid {holder_pid} on {socket.gethostname()}" in last, last
-    assert "[rank " not in second.stderr, "a rank was started"
+    return pid
 
 
 def _mpiexec() -> str:
@@ -62,6 +60,18 @@ def _mpiexec() -> str:
     if found is None:
         pytest.skip("mpiexec is not installed (pip install mpich)")
     return found
+
+
+def _assert_refused(second: subprocess.Popen, holder_pid: int, ranks: int = 1) -> None:
+    """Exit 2 with one line naming the holder: the last line, or with several ranks one of theirs
+    (mpiexec interleaves them); no rank of a supervisor started."""
+    _, stderr = second.communicate(timeout=SECOND_TIMEOUT_S)
+    assert second.returncode == 2, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    line = lines[-1] if ranks == 1 else next((t for t in lines if "RunLockError" in t), "")
+    assert line.startswith("mshpc: error: RunLockError: ") and "is in use by another run" in line, line
+    assert f"pid {holder_pid} on {socket.gethostname()}" in line, line
+    assert "[rank " not in stderr, "a rank was started"
 
 
 def _assert_alone(run_dir: Path) -> None:
@@ -74,26 +84,32 @@ def _assert_alone(run_dir: Path) -> None:
     assert story.count("supervisor_start") == 1 and story.count("attempt_start") == 1, story
     assert story[-1] == "run_end" and story.count("run_end") == 1, story
     assert events(run_dir)[-1]["outcome"] == "finished"
+    assert not (run_dir / ".lock").read_text(), "the lock outlived its run"
 
 
 def test_a_second_run_of_the_same_name_is_refused_while_the_first_trains(tmp_path, corpus_cache):
-    first, log = _start_first(tmp_path, corpus_cache)
-    run_dir = tmp_path / NAME
+    args = train_args(tmp_path, corpus_cache, *SUPERVISED, name=NAME)
+    run_dir, log = tmp_path / NAME, tmp_path / "first.log"
+    with log.open("w") as out:  # killed if the test fails: its ranks die with it (PR_SET_PDEATHSIG)
+        first = _start([*args, "--nproc", "2"], {"MSHPC_TEST_FAULTS": PAUSE}, stdout=out,
+                       stderr=subprocess.STDOUT)
+    seconds: list[subprocess.Popen] = []
     try:
-        _wait_for_training(first, run_dir, log)
-        args = train_args(tmp_path, corpus_cache, *SUPERVISED, name=NAME)
-        # as the first was started (its supervisor holds the lock), and as one process (rank 0
-        # takes the lock itself): both refused, naming the supervisor
-        _assert_refused(mshpc(*args, "--nproc", "2", timeout_s=120), first.pid)
-        _assert_refused(mshpc(*args, "--nproc", "1", timeout_s=120), first.pid)
-        # two ranks of mpiexec, no supervisor: rank 0 is refused, rank 1 stops with it
-        pair = mshpc(*args, timeout_s=120, launcher=(_mpiexec(), "-n", "2"))
-        _assert_refused(pair, first.pid, ranks=2)
-        assert first.poll() is None, "the first run ended before the second runs were refused: slow it more"
+        paused = _wait_for_pause(first, run_dir, log)
+        logged = read_metrics(run_dir)
+        # as the first was started (its supervisor holds the lock), as one process (rank 0 takes
+        # the lock itself), and as two mpiexec ranks without a supervisor (rank 1 stops with rank 0)
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        seconds += [_start([*args, "--nproc", "2"], **pipes), _start([*args, "--nproc", "1"], **pipes),
+                    _start(args, launcher=(_mpiexec(), "-n", "2"), **pipes)]
+        for second, ranks in zip(seconds, (1, 1, 2), strict=True):
+            _assert_refused(second, first.pid, ranks)
+        assert read_metrics(run_dir) == logged, "a second run wrote into the first's metrics"
+        os.kill(paused, signal.SIGCONT)
         assert first.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
+        for proc in [*seconds, first]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     _assert_alone(run_dir)
-    assert not (run_dir / ".lock").read_text(), "the lock outlived its run"
