@@ -121,21 +121,26 @@ def link_records(raw: list[dict], kind_of_node: dict[str, str]) -> list[Record]:
 
 def judge_pairs(records: list[Record], fleet: Rule | None) -> list[Record]:
     """Pair records, judged against the median of the nodes' link_gbps: a slow pair is blamed
-    on its failed end(s), or on both ends when neither failed (the link between them)."""
+    on the end(s) whose link fails, else on the end(s) failing a device or node test, else on
+    both ends (the link between them)."""
     links = {r.node: r for r in records if r.test == "link_gbps"}
     if fleet is None or fleet.fail is None or not links:
         return records
     median = statistics.median(first(r) for r in links.values() if r.value is not None)  # as verdict._fleet
     limit = f"fail < {fleet.fail:g} x median {median:.4g} (of the nodes' link_gbps)"
     out = [r for r in records if r.test != "pair_gbps"]
+    failing = {r.node for r in out if r.status == "fail" and r.scope in ("device", "node")}
     for r in (r for r in records if r.test == "pair_gbps"):
         a, b = r.device.split("<->")
         r = dataclasses.replace(r, threshold=limit, failed=failed_samples(r.samples, fleet.fail * median, "higher"))
         if r.value is not None and r.value >= fleet.fail * median:
             out.append(dataclasses.replace(r, status="pass"))
             continue
-        failed = [n for n in (a, b) if links[n].status == "fail"]
-        why = "slow because this node's link is" if failed else "slow between two good nodes: the link itself"
-        out += [dataclasses.replace(r, node=n, status="fail", detail=why) for n in (failed or [a, b])]
+        bad_link = [n for n in (a, b) if links[n].status == "fail"]
+        # a node failing another test will be left out anyway: the pair says nothing of its partner
+        bad_node = [n for n in (a, b) if n in failing]
+        why = ("slow because this node's link is" if bad_link else "slow at a node that fails another test"
+               if bad_node else "slow between two good nodes: the link itself")
+        out += [dataclasses.replace(r, node=n, status="fail", detail=why) for n in (bad_link or bad_node or [a, b])]
     return out
 

@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from mshpc.preflight.links import link_records, my_peer, schedule
+from mshpc.preflight.record import Record
 from mshpc.preflight.thresholds import load_thresholds
 from mshpc.preflight.verdict import judge, verdict
 
@@ -55,3 +56,15 @@ def test_a_slow_pair_between_good_nodes_is_that_link():
     v, failed = judged({**fast, ("a", "b"): 0.1})
     assert v.failed_nodes == ["a", "b"]
     assert sorted(failed) == [("a", "a<->b"), ("b", "a<->b")]
+
+
+def test_a_slow_pair_with_a_node_failing_its_gemm_is_blamed_on_that_node_alone():
+    # seen on three local Slurm nodes: the node slowed by gemm_slow also slowed its pair, which
+    # excluded its healthy partner too; the partner's own link passes and the pair is unused anyway
+    fast = {p: 1.0 for p in itertools.combinations(["a", "b", "c"], 2)}
+    kinds = {n: "CPU" for n in "abc"}
+    gemms = [Record(n, "cpu/rank 0", "gemm_tflops", 0.25 if n == "c" else 1.0, "TFLOP/s", kind="CPU") for n in "abc"]
+    v = verdict(judge(gemms + link_records(pairs({**fast, ("b", "c"): 0.5}), kinds), load_thresholds()), ["a", "b", "c"])
+    assert v.failed_nodes == ["c"]
+    failed = sorted((r.node, r.test, r.detail) for r in v.records if r.status == "fail")
+    assert failed == [("c", "gemm_tflops", ""), ("c", "pair_gbps", "slow at a node that fails another test")]
