@@ -109,7 +109,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(steps_for, slurm, co
     info = slurm.wait_done(job, timeout_s=240)
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), slurm.batch_log(job)
     first = rank_log(slurm, job, 0)
-    assert "stopping after a checkpoint (signal SIGUSR2)" in first and "requeued Slurm job" in first
+    assert "stopping after a checkpoint (SIGUSR2 signal)" in first and "requeued Slurm job" in first
     saved = int(first.split("checkpoints/step-")[-1][:7])
     assert 0 < saved < n
     assert f"resumed from step {saved}" in rank_log(slurm, job, 1)
