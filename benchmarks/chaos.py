@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,11 +40,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layer=2", "model.d_model=128", "model.n_head=2", "model.seq_len=64", "optim.warmup_steps=2",
          "run.progress=none", "train.cpu_threads=1", "train.micro_batch=8"]
-# Short heartbeats and a 10 s hang floor, as benchmarks/recovery.py; enough restarts for every
-# fault; no eviction: these faults hit processes, not nodes (two blamed kills would evict a slot).
+# Short heartbeats and a 10 s hang floor, as benchmarks/recovery.py, and a 30 s one for saves of
+# this small model (a SIGSTOP may land in one); enough restarts for every fault; no eviction:
+# these faults hit processes, not nodes (two blamed kills would evict a slot).
 SUPERVISED = ["checkpoint.interval_steps=10", "checkpoint.keep=3", "supervisor.heartbeat_interval_s=0.5",
-              "supervisor.timeout_floor_s=10", "supervisor.stop_grace_s=2", "supervisor.max_restarts=20",
-              "supervisor.evict_after=100"]
+              "supervisor.timeout_floor_s=10", "supervisor.checkpoint_timeout_s=30", "supervisor.stop_grace_s=2",
+              "supervisor.max_restarts=20", "supervisor.evict_after=100"]
 KINDS = ("kill", "stop", "sigterm", "flip", "enospc")
 POLL_S = 0.05
 FULL_DISK_S = 2.0  # how long the run directory stays full
@@ -114,6 +116,18 @@ class ChaosRun:
                 continue  # torn
         return 0
 
+    def attempt_step(self) -> int:
+        """The last step the running attempt has trained (rank 0's timings after its newest header
+        of this launch), 0 before it trains one: a fault lands in training, not in a start-up
+        that an older launch's metrics would make look far along."""
+        step, since = 0, False
+        for kind, at, number in self.timings():
+            if kind == "header":
+                step, since = 0, at >= self.current.at
+            elif since:
+                step = number
+        return step
+
     def rank_pids(self) -> list[int]:
         """The supervisor's children: the ranks of the attempt now running."""
         return children(self.current.proc.pid)
@@ -128,8 +142,8 @@ class ChaosRun:
                 continue
         return out
 
-    def step_times(self, rank: int = 0) -> list[tuple[str, float]]:
-        """("header"|"step", unix time) of each line of a rank's timings file, in order."""
+    def timings(self, rank: int = 0) -> list[tuple[str, float, int]]:
+        """("header"|"step", unix time, step) of each line of a rank's timings file, in order."""
         path = self.run_dir / "timings" / f"rank-{rank:05d}.jsonl"
         out = []
         for line in path.read_text().splitlines() if path.exists() else []:
@@ -137,7 +151,7 @@ class ChaosRun:
                 record = json.loads(line)
             except ValueError:
                 continue
-            out.append(("header" if "rank" in record else "step", record["time"]))
+            out.append(("header" if "rank" in record else "step", record["time"], record.get("step", 0)))
         return out
 
 
@@ -259,7 +273,7 @@ def observe(run: ChaosRun, fault: Fault) -> None:
 def recovered_at(run: ChaosRun, after: float) -> float | None:
     """The first step trained after a (re)start that came after `after`: rank 0's timings."""
     restarted = False
-    for kind, at in run.step_times():
+    for kind, at, _ in run.timings():
         restarted = restarted or (kind == "header" and at > after)
         if restarted and kind == "step":
             return at
@@ -279,7 +293,7 @@ def drive(run: ChaosRun, faults: list[Fault], rng: random.Random) -> None:
             if len(run.launches) > MAX_RERUNS:
                 raise SystemExit(f"chaos: gave up after {MAX_RERUNS} reruns; see {run.out.parent}/*.log")
             run.launch()  # the operator's rerun: resume from the latest good checkpoint
-        if pending and run.last_step() >= pending[0].step and run.rank_pids():
+        if pending and run.attempt_step() >= pending[0].step and run.rank_pids():
             fault = pending.pop(0)
             inject(run, fault, rng)
             observe(run, fault)
@@ -287,7 +301,7 @@ def drive(run: ChaosRun, faults: list[Fault], rng: random.Random) -> None:
 
 
 def startup_s(run: ChaosRun) -> float:
-    first = next(at for kind, at in run.step_times() if kind == "step")
+    first = next(at for kind, at, _ in run.timings() if kind == "step")
     return first - run.launches[0].at
 
 
@@ -324,15 +338,26 @@ def mount_tmpfs(path: Path) -> str | None:
     return None if done.returncode == 0 else f"mount failed: {done.stderr.strip()}"
 
 
+@contextlib.contextmanager
+def workdir(keep: Path | None) -> Iterator[str]:
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
+            yield tmp
+    else:
+        keep.mkdir(parents=True)
+        yield str(keep.resolve())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--faults", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="default: drawn, and printed")
+    p.add_argument("--keep", type=Path, default=None, help="work in this new folder and keep it (logs, runs)")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
-    with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
+    with workdir(args.keep) as tmp:
         cache, chaos_out = Path(tmp, "cache"), Path(tmp, "chaos")
         no_full_disk = mount_tmpfs(chaos_out)
         kinds = tuple(k for k in KINDS if not (k == "enospc" and no_full_disk))
