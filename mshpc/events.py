@@ -25,12 +25,24 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
     path = run_dir / EVENTS_FILE
     with writing_to(path):  # a full disk is the site's, not the node's: one line, exit 2
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = open_for_append(path)
         try:
             os.write(fd, line)
         finally:
             os.close(fd)
     return record
+
+
+def open_for_append(path: Path) -> int:
+    """An O_APPEND descriptor of `path`, after ending a last line that a crash or a full disk
+    tore, so that the next record starts a line of its own instead of joining the torn one (and
+    being lost with it to every reader). Two processes that both end it leave an empty line,
+    which readers skip like a torn one."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        os.write(fd, b"\n")
+    return fd
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ import numpy as np
 
 from mshpc.diagnose.timers import CATEGORIES, StepSpans, category
 from mshpc.errors import RunEnvironmentError, writing_to
+from mshpc.events import open_for_append
 from mshpc.mesh_shape import Coords
 
 log = logging.getLogger(__name__)
@@ -68,7 +70,7 @@ class TimingsWriter:
         self.path = path
         with writing_to(path):
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file: TextIO = path.open("a")
+            self._file: TextIO = os.fdopen(open_for_append(path), "a")  # a restart after a torn line
             self._file.write(json.dumps(head) + "\n")
             self._file.flush()
         self._flush_interval_s, self._after_write = flush_interval_s, after_write

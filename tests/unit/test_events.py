@@ -25,3 +25,13 @@ def test_torn_last_line_is_skipped(tmp_path):
     with (tmp_path / "events.jsonl").open("a") as f:
         f.write('{"time": 1, "kind": "fail')
     assert [e["kind"] for e in read_events(tmp_path)] == ["start"]
+
+
+def test_an_event_after_a_torn_line_starts_its_own_line(tmp_path):
+    # a full disk or a kill mid-write leaves a line without its end; the next event must not
+    # join it (and be lost with it to every reader)
+    append_event(tmp_path, "start", step=0)
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write('{"time": 1, "kind": "fail')
+    append_event(tmp_path, "restart", attempt=1)
+    assert [e["kind"] for e in read_events(tmp_path)] == ["start", "restart"]

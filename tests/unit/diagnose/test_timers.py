@@ -75,6 +75,17 @@ def test_categories_of_the_breakdown():
     assert category("data") == "data wait" and category("checkpoint") == "checkpoint"
 
 
+def test_a_restart_after_a_torn_line_keeps_its_header(tmp_path):
+    # the previous attempt's last record was cut by a full disk: the restart's header must start
+    # a line of its own, or every reader loses it (and with it where the restart began)
+    path = tmp_path / "timings" / "rank-00000.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"rank": 0, "host": "h", "pp": 0, "dp": 0, "tp": 0}\n{"step": 27, "time"')
+    TimingsWriter(path, {"rank": 0, "host": "h2", "pp": 0, "dp": 0, "tp": 0}, flush_interval_s=60).close()
+    headers, _ = parse_lines(path.read_text().splitlines())
+    assert [h["host"] for h in headers] == ["h", "h2"]
+
+
 def test_writer_thread_appends_a_header_and_one_line_per_step(tmp_path):
     timers = PhaseTimers()
     timers.configure(True, torch.device("cpu"))
