@@ -253,8 +253,9 @@ def observe(run: ChaosRun, fault: Fault) -> None:
         fault.how += f"launcher stopped in {time.time() - fault.injected_at:.1f} s, exit {run.current.exit_code}"
         return
     if fault.kind == "enospc":
-        # a write may or may not have fallen in the full moment: wait a little for its effect
-        deadline = time.time() + 20
+        # a write may or may not have fallen in the full moment (the disk is free again by now):
+        # wait a few steps for its effect, not long, or the run may end before the next fault
+        deadline = time.time() + 5
         while time.time() < deadline and detected() is None and not run.exited():
             time.sleep(POLL_S)
     else:
@@ -353,6 +354,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--faults", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="default: drawn, and printed")
+    p.add_argument("--kinds", default=",".join(KINDS), help="which faults to draw from")
     p.add_argument("--keep", type=Path, default=None, help="work in this new folder and keep it (logs, runs)")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
@@ -360,7 +362,9 @@ def main() -> None:
     with workdir(args.keep) as tmp:
         cache, chaos_out = Path(tmp, "cache"), Path(tmp, "chaos")
         no_full_disk = mount_tmpfs(chaos_out)
-        kinds = tuple(k for k in KINDS if not (k == "enospc" and no_full_disk))
+        kinds = tuple(k for k in args.kinds.split(",") if not (k == "enospc" and no_full_disk))
+        if not set(kinds) <= set(KINDS) or not kinds:
+            raise SystemExit(f"chaos: --kinds {args.kinds!r}: choose from {', '.join(KINDS)}")
         faults = draw(rng, args.faults, args.steps, kinds)
         emit(seed=seed, steps=args.steps, faults=[(f.kind, f.step) for f in faults], kinds=kinds,
              enospc_left_out=no_full_disk)
@@ -376,6 +380,8 @@ def main() -> None:
             for pid in processes_mentioning(tmp):
                 os.kill(pid, signal.SIGKILL)
             if not no_full_disk:
+                if args.keep:  # the tmpfs goes: keep a copy of what the run wrote there
+                    shutil.copytree(chaos_out, Path(tmp, "chaos-run"), symlinks=True, dirs_exist_ok=True)
                 subprocess.run(["umount", "-l", str(chaos_out)], check=False)
 
 
