@@ -38,8 +38,9 @@ import h5py
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["model.n_layer=2", "model.d_model=128", "model.n_head=2", "model.seq_len=64", "optim.warmup_steps=2",
-         "run.progress=none", "train.cpu_threads=1", "train.micro_batch=8"]
+# configs/tiny.yaml's model (a step takes a good fraction of a second on 2 CPU ranks, so faults
+# land in the step they are drawn for); timings flushed often: they tell the driver the step
+SMALL = ["run.progress=none", "train.cpu_threads=1", "diagnose.flush_interval_s=0.2"]
 # Short heartbeats and a 10 s hang floor, as benchmarks/recovery.py, and a 30 s one for saves of
 # this small model (a SIGSTOP may land in one); enough restarts for every fault; no eviction:
 # these faults hit processes, not nodes (two blamed kills would evict a slot).
@@ -264,6 +265,8 @@ def observe(run: ChaosRun, fault: Fault) -> None:
     if event is not None:
         fault.detected_at = event["time"]
         fault.how += f"detected {event['failure']} on rank {event['rank']}"
+    elif run.exited() and run.current.exit_code == 0:
+        fault.how += "none: the run had finished"
     elif run.exited():
         fault.detected_at = time.time()
         fault.how += f"launcher exited {run.current.exit_code}"
