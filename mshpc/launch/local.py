@@ -88,11 +88,14 @@ def _start(argv: Sequence[str], rank: int, nproc: int, port: int, extra_env: dic
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> list[int]:
-    """SIGTERM every live process, SIGKILL those still alive after `grace_s` (a stopped or hung
-    one); returns the indices of the processes that needed SIGKILL."""
+    """SIGTERM every live process, SIGKILL those still alive after `grace_s` (a hung one);
+    returns the indices of the processes that needed SIGKILL. SIGCONT follows SIGTERM, as
+    systemd does: a stopped process (SIGSTOP, Ctrl-Z) acts on it at once instead of holding it
+    pending until the SIGKILL, which made every restart after a frozen rank wait the grace."""
     alive = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
     for _, p in alive:
         p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + grace_s
     killed = []
     for i, p in alive:

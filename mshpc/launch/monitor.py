@@ -248,8 +248,10 @@ class Monitor:
         if kind != "beat":
             self.changed.set()
 
-    def request_dumps(self, timeout_s: float) -> None:
-        """Ask every connected rank for its stacks and flight recorder; wait up to `timeout_s`."""
+    def request_dumps(self, timeout_s: float, silent_after_s: float = float("inf")) -> None:
+        """Ask every connected rank for its stacks and flight recorder; wait up to `timeout_s` for
+        those that still beat. A rank silent for `silent_after_s` (frozen, or its heartbeat
+        thread starved) cannot answer: waiting for it would only delay the restart."""
         with self._lock:
             asked = dict(self._conns)
         for rank, conn in list(asked.items()):
@@ -257,8 +259,10 @@ class Monitor:
                 conn.sendall(b'{"type": "dump"}\n')
             except OSError:
                 asked.pop(rank, None)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(self.ranks[r].dump is None and self.ranks[r].closed_at is None for r in asked):
+        start = time.monotonic()
+        awaited = [r for r in asked if self.ranks[r].silent_s(start, start) < silent_after_s]
+        while time.monotonic() < start + timeout_s and any(
+                self.ranks[r].dump is None and self.ranks[r].closed_at is None for r in awaited):
             time.sleep(0.05)
 
     def close(self) -> None:

@@ -273,8 +273,8 @@ class Supervisor:
         """Before anything is stopped: every live rank's stacks and flight recorder, the missing
         ranks, hang-report.txt."""
         states = monitor.ranks
-        monitor.request_dumps(min(DUMP_WAIT_S, self.scfg.stop_grace_s + 1))
         silent_after = max(3 * self.scfg.heartbeat_interval_s, 2.0)
+        monitor.request_dumps(min(DUMP_WAIT_S, self.scfg.stop_grace_s + 1), silent_after)
         missing = missing_ranks(states, silent_after, attempt.started_at, token)
         path = write_hang_report(self.run_dir / REPORT_FILE, det, states, missing, attempt.number, attempt.started_at)
         self.event("hang_report", attempt=attempt.number, path=str(path),
