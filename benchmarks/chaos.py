@@ -49,7 +49,7 @@ SUPERVISED = ["checkpoint.interval_steps=10", "checkpoint.keep=3", "supervisor.h
               "supervisor.max_restarts=20", "supervisor.evict_after=100"]
 KINDS = ("kill", "stop", "sigterm", "flip", "enospc")
 POLL_S = 0.05
-FULL_DISK_S = 2.0  # how long the run directory stays full
+FULL_DISK_S = 5.0  # how long the run directory stays full: long enough that a write falls in it
 WAIT_S = 300.0  # the most any one wait may take before the benchmark calls the run stuck
 MAX_RERUNS = 20
 
