@@ -23,6 +23,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -126,10 +127,11 @@ def largest_world() -> int:
 # ---------------------------------------------------------------- the supervisor's side (its own process)
 
 
-def serve(world: int, token: str) -> None:
-    """A real Monitor; prints its port, then {"registered": k, "t": monotonic} as k grows,
-    until stdin closes. CLOCK_MONOTONIC is the machine's, so the driver can compare times."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's mshpc
+def serve(world: int, token: str, root: str) -> None:
+    """A real Monitor, mshpc imported from `root`; prints its port, then {"registered": k, "t":
+    monotonic} as k grows, until stdin closes. CLOCK_MONOTONIC is the machine's, so the driver
+    can compare times."""
+    sys.path.insert(0, root)
     from mshpc.launch.monitor import Monitor
 
     raise_nofile(world + FD_MARGIN)
@@ -149,8 +151,8 @@ def serve(world: int, token: str) -> None:
 class Supervisor:
     """The serving process, seen from the driver: its port, its registrations, its /proc."""
 
-    def __init__(self, world: int, token: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(world), token],
+    def __init__(self, world: int, token: str, root: Path) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(world), token, str(root)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         first = self.proc.stdout.readline()
@@ -194,10 +196,11 @@ def emit(metric: str, value: float, unit: str, n: int | None = None, **extra: An
                       **({"n": n} if n is not None else {}), **extra}), flush=True)
 
 
-async def measure(world: int, measure_s: float = MEASURE_S) -> dict[str, Any]:
-    """One N: registration time, then CPU per wall second and RSS over MEASURE_S of beats."""
+async def measure(world: int, root: Path, measure_s: float = MEASURE_S) -> dict[str, Any]:
+    """One N against the mshpc under `root`: registration time, then CPU per wall second and RSS
+    over `measure_s` of beats."""
     token = uuid.uuid4().hex
-    supervisor = Supervisor(world, token)
+    supervisor = Supervisor(world, token, root)
     stop = asyncio.Event()
     start = time.monotonic()
     peers = asyncio.ensure_future(run_world("127.0.0.1", supervisor.port, token, world, stop))
@@ -211,39 +214,75 @@ async def measure(world: int, measure_s: float = MEASURE_S) -> dict[str, Any]:
                "cpu_per_s": (supervisor.cpu_s() - cpu0) / (time.monotonic() - wall0),
                "rss_mib": supervisor.status("VmRSS") / 1024, "threads": supervisor.status("Threads")}
     stop.set()
-    connected = await peers
+    figures["connected"] = await peers
     supervisor.stop()
-    emit("time_to_register_all", None if register_s is None else round(register_s, 3), "s", world, registered=registered,
-         connected=connected, waited_s=REGISTER_WAIT_S, monitor=supervisor.module)
-    emit("supervisor_cpu_per_wall_s", round(figures["cpu_per_s"], 4), "core", world)
-    emit("supervisor_rss", round(figures["rss_mib"], 1), "MiB", world)
-    emit("supervisor_threads", figures["threads"], "threads", world)
     return figures
+
+
+def report(world: int, ours: dict[str, Any], base: dict[str, Any] | None, label: str) -> None:
+    """One line per figure, the baseline's beside ours (ratio: ours / the baseline's)."""
+    for key, metric, unit in (("register_s", "time_to_register_all", "s"), ("cpu_per_s", "supervisor_cpu_per_wall_s",
+                              "core"), ("rss_mib", "supervisor_rss", "MiB"), ("threads", "supervisor_threads", "1")):
+        extra: dict[str, Any] = {}
+        if key == "register_s":
+            extra = {"registered": ours["registered"], "connected": ours["connected"], "waited_s": REGISTER_WAIT_S}
+        if base is not None:
+            extra.update(baseline=_round(base[key]), baseline_monitor=label)
+            if key == "register_s":
+                extra.update(baseline_registered=base["registered"])
+            if ours[key] is not None and base[key]:
+                extra["ratio"] = round(ours[key] / base[key], 3)
+        emit(metric + ("_vs_" + label if base is not None else ""), _round(ours[key]), unit, world, **extra)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+def checkout(rev: str) -> Path:
+    """mshpc as it was at `rev`, exported to a temporary folder (the baseline's monitor)."""
+    repo = Path(__file__).resolve().parents[2]
+    dest = Path(tempfile.mkdtemp(prefix="sim_peers_baseline_"))
+    archive = subprocess.run(["git", "-C", str(repo), "archive", rev, "mshpc"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of log y against log x: the growth exponent (1.0 = linear)."""
     lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-6)) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly, strict=True)) / sum((a - mx) ** 2 for a in lx)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[512, 2048, 4096, 12288])
     parser.add_argument("--measure-s", type=float, default=MEASURE_S, help="seconds of beats measured")
-    parser.add_argument("--serve", nargs=2, metavar=("WORLD", "TOKEN"), help=argparse.SUPPRESS)
+    parser.add_argument("--baseline", metavar="REV", help="also measure the Monitor of this git revision "
+                        "(2750752: the thread-per-connection one), side by side")
+    parser.add_argument("--serve", nargs=3, metavar=("WORLD", "TOKEN", "ROOT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(int(args.serve[0]), args.serve[1])
+        serve(int(args.serve[0]), args.serve[1], args.serve[2])
         return
     if max(args.n) > largest_world():
         sys.exit(f"sim_peers: N={max(args.n)} is past this machine: the largest N it holds is {largest_world()} "
                  "(RLIMIT_NOFILE hard limit and local port range)")
     raise_nofile(max(args.n) + FD_MARGIN)
-    cpu = [asyncio.run(measure(n, args.measure_s))["cpu_per_s"] for n in args.n]
+    ours_root = Path(__file__).resolve().parents[2]
+    base_root = checkout(args.baseline) if args.baseline else None
+    cpu: dict[str, list[float]] = {"ours": [], "baseline": []}
+    for n in args.n:
+        base = asyncio.run(measure(n, base_root, args.measure_s)) if base_root else None
+        ours = asyncio.run(measure(n, ours_root, args.measure_s))
+        report(n, ours, base, f"threads_at_{args.baseline}")
+        cpu["ours"].append(ours["cpu_per_s"])
+        if base is not None:
+            cpu["baseline"].append(base["cpu_per_s"])
     if len(args.n) > 1:
-        emit("supervisor_cpu_growth_exponent", round(slope(args.n, cpu), 3), "1", ns=args.n)
+        extra = {"baseline": round(slope(args.n, cpu["baseline"]), 3)} if base_root else {}
+        emit("supervisor_cpu_growth_exponent", round(slope(args.n, cpu["ours"]), 3), "1", ns=args.n, **extra)
 
 
 if __name__ == "__main__":
