@@ -127,7 +127,7 @@ def largest_world() -> int:
 # ---------------------------------------------------------------- the supervisor's side (its own process)
 
 
-def serve(world: int, token: str, root: str) -> None:
+def serve(world: int, token: str, root: str, hello_timeout_s: float | None) -> None:
     """A real Monitor, mshpc imported from `root`; prints its port, then {"registered": k, "t":
     monotonic} as k grows, until stdin closes. CLOCK_MONOTONIC is the machine's, so the driver
     can compare times."""
@@ -135,38 +135,44 @@ def serve(world: int, token: str, root: str) -> None:
     from mshpc.launch.monitor import Monitor
 
     raise_nofile(world + FD_MARGIN)
-    monitor = Monitor(world, token)
+    monitor = Monitor(world, token) if hello_timeout_s is None else Monitor(world, token, hello_timeout_s=hello_timeout_s)
     print(json.dumps({"port": monitor.port, "module": sys.modules[Monitor.__module__].__file__}), flush=True)
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-    seen = 0
+    seen, said_at = 0, 0.0
     while not done.wait(0.02):
-        count = sum(s.host is not None for s in list(monitor.ranks.values()))
-        if count != seen:
-            seen = count
-            print(json.dumps({"registered": count, "t": time.monotonic()}), flush=True)
+        states = list(monitor.ranks.values())
+        count = sum(s.host is not None for s in states)
+        if count != seen or time.monotonic() - said_at > 1.0:
+            seen, said_at = count, time.monotonic()
+            # the sum of steps counts the beats that arrived: each simulated beat is the next step
+            print(json.dumps({"registered": count, "t": said_at, "beats": sum(s.step + 1 for s in states)}),
+                  flush=True)
     monitor.close()
 
 
 class Supervisor:
     """The serving process, seen from the driver: its port, its registrations, its /proc."""
 
-    def __init__(self, world: int, token: str, root: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(world), token, str(root)],
+    def __init__(self, world: int, token: str, root: Path, hello_timeout_s: float | None) -> None:
+        extra = [] if hello_timeout_s is None else ["--hello-timeout-s", str(hello_timeout_s)]
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(world), token, str(root), *extra],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         first = self.proc.stdout.readline()
         if not first:
             sys.exit(f"sim_peers: the monitor process for N={world} ended before it listened")
         self.port, self.module = json.loads(first)["port"], json.loads(first)["module"]
-        self.registered, self.last_t = 0, 0.0
+        self.registered, self.last_t, self.beats = 0, 0.0, 0
         threading.Thread(target=self._follow, daemon=True).start()
 
     def _follow(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             update = json.loads(line)
-            self.registered, self.last_t = update["registered"], update["t"]
+            self.beats = update["beats"]
+            if update["registered"] != self.registered:
+                self.registered, self.last_t = update["registered"], update["t"]
 
     def cpu_s(self) -> float:
         fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -196,11 +202,12 @@ def emit(metric: str, value: float, unit: str, n: int | None = None, **extra: An
                       **({"n": n} if n is not None else {}), **extra}), flush=True)
 
 
-async def measure(world: int, root: Path, measure_s: float = MEASURE_S) -> dict[str, Any]:
+async def measure(world: int, root: Path, measure_s: float = MEASURE_S,
+                  hello_timeout_s: float | None = None) -> dict[str, Any]:
     """One N against the mshpc under `root`: registration time, then CPU per wall second and RSS
     over `measure_s` of beats."""
     token = uuid.uuid4().hex
-    supervisor = Supervisor(world, token, root)
+    supervisor = Supervisor(world, token, root, hello_timeout_s)
     stop = asyncio.Event()
     start = time.monotonic()
     peers = asyncio.ensure_future(run_world("127.0.0.1", supervisor.port, token, world, stop))
@@ -208,10 +215,12 @@ async def measure(world: int, root: Path, measure_s: float = MEASURE_S) -> dict[
         await asyncio.sleep(0.05)
     registered = supervisor.registered
     register_s = supervisor.last_t - start if registered == world else None  # not all within the wait
-    cpu0, wall0 = supervisor.cpu_s(), time.monotonic()
+    cpu0, wall0, beats0 = supervisor.cpu_s(), time.monotonic(), supervisor.beats
     await asyncio.sleep(measure_s)
+    wall_s = time.monotonic() - wall0
     figures = {"register_s": register_s, "registered": registered,
-               "cpu_per_s": (supervisor.cpu_s() - cpu0) / (time.monotonic() - wall0),
+               "cpu_per_s": (supervisor.cpu_s() - cpu0) / wall_s,
+               "beats_per_s": (supervisor.beats - beats0) / wall_s,  # below N: the peers cannot keep 1 Hz
                "rss_mib": supervisor.status("VmRSS") / 1024, "threads": supervisor.status("Threads")}
     stop.set()
     figures["connected"] = await peers
@@ -222,7 +231,8 @@ async def measure(world: int, root: Path, measure_s: float = MEASURE_S) -> dict[
 def report(world: int, ours: dict[str, Any], base: dict[str, Any] | None, label: str) -> None:
     """One line per figure, the baseline's beside ours (ratio: ours / the baseline's)."""
     for key, metric, unit in (("register_s", "time_to_register_all", "s"), ("cpu_per_s", "supervisor_cpu_per_wall_s",
-                              "core"), ("rss_mib", "supervisor_rss", "MiB"), ("threads", "supervisor_threads", "1")):
+                              "core"), ("rss_mib", "supervisor_rss", "MiB"), ("threads", "supervisor_threads", "1"),
+                              ("beats_per_s", "beats_received_per_s", "1/s")):
         extra: dict[str, Any] = {}
         if key == "register_s":
             extra = {"registered": ours["registered"], "connected": ours["connected"], "waited_s": REGISTER_WAIT_S}
@@ -261,10 +271,12 @@ def main() -> None:
     parser.add_argument("--measure-s", type=float, default=MEASURE_S, help="seconds of beats measured")
     parser.add_argument("--baseline", metavar="REV", help="also measure the Monitor of this git revision "
                         "(2750752: the thread-per-connection one), side by side")
+    parser.add_argument("--hello-timeout-s", type=float, help="the Monitor's (default: its HELLO_TIMEOUT_S); "
+                        "longer when this one process of peers cannot say hello that soon after the accept")
     parser.add_argument("--serve", nargs=3, metavar=("WORLD", "TOKEN", "ROOT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(int(args.serve[0]), args.serve[1], args.serve[2])
+        serve(int(args.serve[0]), args.serve[1], args.serve[2], args.hello_timeout_s)
         return
     if max(args.n) > largest_world():
         sys.exit(f"sim_peers: N={max(args.n)} is past this machine: the largest N it holds is {largest_world()} "
@@ -274,8 +286,8 @@ def main() -> None:
     base_root = checkout(args.baseline) if args.baseline else None
     cpu: dict[str, list[float]] = {"ours": [], "baseline": []}
     for n in args.n:
-        base = asyncio.run(measure(n, base_root, args.measure_s)) if base_root else None
-        ours = asyncio.run(measure(n, ours_root, args.measure_s))
+        base = asyncio.run(measure(n, base_root, args.measure_s, args.hello_timeout_s)) if base_root else None
+        ours = asyncio.run(measure(n, ours_root, args.measure_s, args.hello_timeout_s))
         report(n, ours, base, f"threads_at_{args.baseline}")
         cpu["ours"].append(ours["cpu_per_s"])
         if base is not None:
