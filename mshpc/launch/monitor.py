@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from mshpc.launch.server_limits import ensure_descriptors, listen_backlog
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +28,7 @@ HELLO_MAX_BYTES = 64 * 1024  # a hello is a few hundred bytes
 MESSAGE_MAX_BYTES = 256 * 2**20  # a dump (every stack, the whole flight recorder) is the largest
 _RECV_BYTES = 64 * 1024
 _ACCEPT_RETRY_S = 0.05  # after a failed accept (out of descriptors): idle peers are dropped soon
+_CLOSE_WAIT_S = 5.0  # for the loop to close every connection
 
 
 @dataclass
@@ -132,39 +136,45 @@ def parse_message(line: bytes) -> dict[str, Any] | None:
     return message
 
 
-class _Lines:
-    """Newline-ended lines read from a socket, each at most `limit` bytes long."""
+class _Peer:
+    """One connection, as the event loop sees it: the bytes read but not yet a whole line, and
+    the rank its hello named (None until then, when `hello_by` is its deadline)."""
 
-    def __init__(self, conn: socket.socket) -> None:
-        self._conn, self._buf, self._scanned = conn, bytearray(), 0
+    def __init__(self, conn: socket.socket, hello_by: float) -> None:
+        self.conn, self.hello_by = conn, hello_by
+        self.buf, self.scanned = bytearray(), 0
+        self.rank: int | None = None
+        self.ignored = 0
 
-    def next(self, limit: int, deadline: float | None = None) -> bytes | None:
-        """The next line; None once the peer closed, the line outgrew `limit` or `deadline`
-        (time.monotonic) passed. A socket error (a reset) raises OSError."""
-        while (end := self._buf.find(b"\n", self._scanned)) < 0:
-            self._scanned = len(self._buf)
-            if len(self._buf) > limit:
-                return None
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._conn.settimeout(left)  # the whole line's deadline, not each recv's: a trickle ends too
-            chunk = self._conn.recv(_RECV_BYTES)
-            if not chunk:
-                return None
-            self._buf += chunk
-        line = bytes(self._buf[:end])
-        del self._buf[: end + 1]
-        self._scanned = 0
-        return line if end <= limit else None
+    def next_line(self) -> bytes | None:
+        """The next whole line; None until one has arrived. _LineTooLong once the pending line
+        outgrew its limit (a hello's, then a message's)."""
+        limit = HELLO_MAX_BYTES if self.rank is None else MESSAGE_MAX_BYTES
+        end = self.buf.find(b"\n", self.scanned)
+        if end < 0:
+            self.scanned = len(self.buf)  # a 256 MB dump arrives in many reads: scan each byte once
+            if len(self.buf) > limit:
+                raise _LineTooLong
+            return None
+        line = bytes(self.buf[:end])
+        del self.buf[: end + 1]
+        self.scanned = 0
+        if end > limit:
+            raise _LineTooLong
+        return line
+
+
+class _LineTooLong(Exception):
+    """A peer's line is past its limit: the connection is dropped."""
 
 
 # ---------------------------------------------------------------- the server
 
 
 class Monitor:
-    """Accepts the ranks' heartbeat connections for one attempt and keeps `ranks` current."""
+    """Accepts the ranks' heartbeat connections for one attempt and keeps `ranks` current. One
+    thread serves every connection from one event loop: a thread per rank does not start fast
+    enough when thousands connect at once (491 of 512 registered after 60 s, issue #20)."""
 
     def __init__(self, world: int, token: str, bind_host: str = "127.0.0.1",
                  hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
@@ -173,47 +183,130 @@ class Monitor:
         self.changed = threading.Event()  # set on every message that may need a decision
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
-        self._server = socket.create_server((bind_host, 0))
+        ensure_descriptors(world)
+        self._server = socket.create_server((bind_host, 0), backlog=listen_backlog(world))
+        self._server.setblocking(False)
         self.port = self._server.getsockname()[1]
         self._closed = False
-        threading.Thread(target=self._accept, name="mshpc-monitor", daemon=True).start()
+        self._wake_r, self._wake_w = socket.socketpair()  # close() interrupts the loop's select
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._server, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._greeting: dict[socket.socket, _Peer] = {}  # no hello yet, oldest (first deadline) first
+        self._accept_paused_until: float | None = None
+        self._thread = threading.Thread(target=self._serve, name="mshpc-monitor", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- the event loop
+
+    def _serve(self) -> None:
+        try:
+            while not self._closed:
+                for key, _ in self._selector.select(self._select_timeout()):
+                    if key.fileobj is self._server:
+                        self._accept()
+                    elif isinstance(key.data, _Peer):
+                        self._receive(key.data)
+                self._expire_hellos()
+                self._resume_accept()
+        finally:
+            self._teardown()
+
+    def _select_timeout(self) -> float | None:
+        """Until the first hello deadline or the end of an accept pause; forever without either."""
+        first = next(iter(self._greeting.values()), None)  # deadlines come in accept order
+        deadlines = [] if first is None else [first.hello_by]
+        if self._accept_paused_until is not None:
+            deadlines.append(self._accept_paused_until)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _accept(self) -> None:
-        while not self._closed:
+        """Every connection waiting in the backlog, so that thousands connecting at once are
+        taken in one pass rather than one per select."""
+        while True:
             try:
                 conn, _ = self._server.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(_ACCEPT_RETRY_S)  # out of descriptors, or a peer gone before accept
-                continue
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
-    def _read(self, conn: socket.socket) -> None:
-        rank = None
-        lines = _Lines(conn)
-        try:
-            hello = lines.next(HELLO_MAX_BYTES, time.monotonic() + self.hello_timeout_s)
-            rank = self._hello(conn, parse_message(hello) if hello is not None else None)
-            if rank is None:
+            except BlockingIOError:
                 return
-            ignored = 0
-            while (line := lines.next(MESSAGE_MAX_BYTES)) is not None:
-                message = parse_message(line)
-                if message is None:
-                    ignored += 1
-                    if ignored == 1:  # a rank's bug, not a reason to stop listening to it
-                        log.warning("supervisor: ignored a malformed heartbeat message from rank %d", rank)
-                    continue
-                self._update(self.ranks[rank], message)
-        except OSError:
-            pass  # the peer reset the connection
-        finally:
-            conn.close()
-            if rank is not None:
-                with self._lock:
-                    self.ranks[rank].closed_at = time.time()
-                self.changed.set()
+            except OSError:  # out of descriptors: pause, idle peers are dropped at their hello deadline
+                self._selector.unregister(self._server)
+                self._accept_paused_until = time.monotonic() + _ACCEPT_RETRY_S
+                return
+            conn.setblocking(False)
+            peer = _Peer(conn, time.monotonic() + self.hello_timeout_s)
+            self._greeting[conn] = peer
+            self._selector.register(conn, selectors.EVENT_READ, peer)
+
+    def _resume_accept(self) -> None:
+        if self._accept_paused_until is not None and time.monotonic() >= self._accept_paused_until:
+            self._accept_paused_until = None
+            self._selector.register(self._server, selectors.EVENT_READ)
+
+    def _expire_hellos(self) -> None:
+        """Drop the connections whose hello is late: the whole hello's deadline, so that a trickle
+        of bytes ends too."""
+        now = time.monotonic()
+        while self._greeting:
+            peer = next(iter(self._greeting.values()))
+            if peer.hello_by > now:
+                return
+            self._drop(peer)
+
+    def _receive(self, peer: _Peer) -> None:
+        try:
+            chunk = peer.conn.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:  # the peer reset the connection
+            chunk = b""
+        if not chunk:
+            self._drop(peer)
+            return
+        peer.buf += chunk
+        try:
+            while (line := peer.next_line()) is not None:
+                if not self._take(peer, line):
+                    self._drop(peer)
+                    return
+        except _LineTooLong:
+            self._drop(peer)
+
+    def _take(self, peer: _Peer, line: bytes) -> bool:
+        """One line from `peer`: its hello, or a message of its rank. False when the connection
+        is to be dropped (no valid hello)."""
+        message = parse_message(line)
+        if peer.rank is None:
+            peer.rank = self._hello(peer.conn, message)
+            self._greeting.pop(peer.conn, None)
+            return peer.rank is not None
+        if message is None:
+            peer.ignored += 1
+            if peer.ignored == 1:  # a rank's bug, not a reason to stop listening to it
+                log.warning("supervisor: ignored a malformed heartbeat message from rank %d", peer.rank)
+            return True
+        self._update(self.ranks[peer.rank], message)
+        return True
+
+    def _drop(self, peer: _Peer) -> None:
+        self._greeting.pop(peer.conn, None)
+        self._selector.unregister(peer.conn)
+        peer.conn.close()
+        if peer.rank is not None:
+            with self._lock:
+                self.ranks[peer.rank].closed_at = time.time()
+                if self._conns.get(peer.rank) is peer.conn:
+                    del self._conns[peer.rank]
+            self.changed.set()
+
+    def _teardown(self) -> None:
+        for key in list(self._selector.get_map().values()):
+            if isinstance(key.data, _Peer):
+                self._drop(key.data)
+        self._selector.close()
+        for sock in (self._server, self._wake_r, self._wake_w):
+            sock.close()
+
+    # ---------------------------------------------------------------- what the ranks said
 
     def _hello(self, conn: socket.socket, hello: dict[str, Any] | None) -> int | None:
         if hello is None or hello["type"] != "hello" or hello["token"] != self.token:
@@ -221,7 +314,6 @@ class Monitor:
         rank = hello["rank"]
         if rank not in self.ranks:
             return None
-        conn.settimeout(None)  # a rank may be quiet for long between beats (heartbeat_interval_s)
         with self._lock:
             state = self.ranks[rank]
             state.host, state.pid, state.coords = hello.get("host"), hello.get("pid"), hello.get("coords")
@@ -255,7 +347,7 @@ class Monitor:
         with self._lock:
             asked = dict(self._conns)
         for rank, conn in list(asked.items()):
-            try:
+            try:  # non-blocking: a rank whose socket buffer is full reads nothing and will not answer
                 conn.sendall(b'{"type": "dump"}\n')
             except OSError:
                 asked.pop(rank, None)
@@ -266,11 +358,11 @@ class Monitor:
             time.sleep(0.05)
 
     def close(self) -> None:
+        """Stop serving; every rank's connection is closed (a rank then knows its supervisor is gone)."""
         self._closed = True
-        self._server.close()
-        with self._lock:
-            for conn in self._conns.values():
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # the loop has already ended
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=_CLOSE_WAIT_S)
