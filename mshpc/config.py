@@ -47,6 +47,23 @@ class ModelConfig:
     # where they build and otherwise the pure-torch references; on fails if they cannot build
     fused_kernels: Literal["auto", "on", "off"] = "auto"
     mlp_bias: bool = False  # biases in the MLP (GPT-2's); the first is added inside the fused GeLU
+    # gelu: d -> ffn -> d with GeLU (GPT-2, GPT-NeoX); swiglu: silu(x W_gate) * (x W_up) -> W_down
+    # (Shazeer 2020; Llama), three matrices
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    ffn_dim: int | None = _min(1, None)  # the MLP's hidden width; None: mlp_ratio * d_model
+    # grouped-query attention (Ainslie et al. 2023): key/value heads, dividing n_head; 1 is
+    # multi-query attention; None: n_head (plain multi-head attention)
+    n_kv_head: int | None = _min(1, None)
+
+    @property
+    def ffn_width(self) -> int:
+        """The MLP's hidden width: ffn_dim, or mlp_ratio * d_model when it is not set."""
+        return self.ffn_dim if self.ffn_dim is not None else self.mlp_ratio * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is not set."""
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
 
 
 @dataclass(frozen=True)
@@ -427,6 +444,11 @@ def _check_model(m: ModelConfig) -> None:
         )
     if m.sliding_window is not None and m.sliding_window < 1:
         raise ConfigError(f"model.sliding_window={m.sliding_window} must be >= 1 or null (off)")
+    if m.n_head % m.kv_heads:
+        raise ConfigError(
+            f"model.n_kv_head={m.n_kv_head} does not divide model.n_head={m.n_head} "
+            f"(choose {_divisors(m.n_head)})"
+        )
 
 
 def _check_parallel(cfg: Config) -> None:
