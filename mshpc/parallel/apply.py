@@ -30,7 +30,7 @@ from mshpc.parallel.tensor import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from mshpc.parallel.tp_split import COLUMNS, QKV_ROWS, ROWS, TpSplit, chunk_bounds
+from mshpc.parallel.tp_split import COLUMNS, GATE_UP_ROWS, QKV_ROWS, ROWS, TpSplit, chunk_bounds
 from mshpc.parallel.zero import ModelParallel, ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine
 
@@ -73,7 +73,8 @@ def _local(weight: torch.Tensor, split: TpSplit, group: dist.ProcessGroup) -> to
 
 def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfig) -> LossFn:
     """Megatron's split with sequence parallelism: vocab-parallel embedding and lm head (a tied
-    weight stays tied: both split the vocabulary alike), qkv and mlp.fc column-parallel,
+    weight stays tied: both split the vocabulary alike), qkv and mlp.fc column-parallel (per
+    block: [q; k; v] and SwiGLU's [gate; up] keep each rank's parts together),
     attn.proj and mlp.proj row-parallel; norms and dropout see 1/tp of the sequence. Returns the
     loss for the vocab-parallel logits."""
     chunks = parallel.tp_overlap_chunks if parallel.tp_overlap else 1
@@ -91,7 +92,8 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
         attn, mlp = block.attn, block.mlp
         attn.qkv = ColumnParallelLinear(_local(attn.qkv.weight, QKV_ROWS, group), group, chunks, QKV_ROWS)
         attn.proj = RowParallelLinear(_local(attn.proj.weight, COLUMNS, group), group, chunks)
-        mlp.fc = ColumnParallelLinear(_local(mlp.fc.weight, ROWS, group), group, chunks)
+        fc_split = GATE_UP_ROWS if mlp.gated else ROWS  # swiglu: the gate needs its rank's up rows
+        mlp.fc = ColumnParallelLinear(_local(mlp.fc.weight, fc_split, group), group, chunks, fc_split)
         mlp.proj = RowParallelLinear(_local(mlp.proj.weight, COLUMNS, group), group, chunks)
     return functools.partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=group)
 

@@ -43,4 +43,5 @@ class TpSplit:
 
 ROWS = TpSplit(0)
 QKV_ROWS = TpSplit(0, blocks=3)
+GATE_UP_ROWS = TpSplit(0, blocks=2)  # SwiGLU's fc [gate; up]: each rank keeps matching gate and up rows
 COLUMNS = TpSplit(1)

@@ -3,6 +3,8 @@ global batch, a tp=2 run killed with -9 resumes bitwise (tp shards saved per tp 
 checkpoint resumes at the other tp (joined and re-cut: equal within fp tolerance, since the
 order of the sums changes with the layout)."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -59,3 +61,24 @@ def test_dp2_checkpoint_resumes_at_tp2(straight, tp_straight, tmp_path, corpus_c
     assert "resumed from step 4" in out.stderr
     assert losses(tmp_path, "tp") == pytest.approx(losses(tp_straight, "tp")[4:], rel=1e-5)
     _assert_close(final_params(tmp_path / "tp" / "checkpoints"), final_params(tp_straight / "tp" / "checkpoints"))
+
+
+def test_swiglu_tp2_checkpoint_reshards_to_tp1(tmp_path, corpus_cache):
+    """SwiGLU's fc is saved per tp rank as its rows of the gate and of up, with that rule
+    ([dim 0, 2 blocks]) in the manifest; at tp=1 the parts join into the whole [gate; up]: the
+    resumed run continues the tp=2 run's losses, and its final fc, cut by hand into each tp rank's
+    gate and up rows, is the tp=2 run's."""
+    # Llama's width at d_model 64 (8/3 d, rounded); 4 steps, saved at 2 and 4: the cheapest resume
+    swiglu = ["model.mlp=swiglu", "model.ffn_dim=172", "train.steps=4", "checkpoint.interval_steps=2"]
+    run(tmp_path, corpus_cache, "tp", *TP2, *swiglu)
+    step2 = tmp_path / "tp" / "checkpoints" / "step-0000002"
+    assert json.loads((step2 / "manifest.json").read_text())["extras"]["tp_splits"]["layers.0.mlp.fc.weight"] == [0, 2]
+    out = run(tmp_path, corpus_cache, "dp2", *swiglu, f"train.resume={step2}")
+    assert "resumed from step 2" in out.stderr
+    assert losses(tmp_path, "dp2") == pytest.approx(losses(tmp_path, "tp")[2:], rel=1e-5)
+    whole, parts = final_params(tmp_path / "dp2" / "checkpoints"), final_params(tmp_path / "tp" / "checkpoints")
+    for layer in range(2):
+        gate, up = np.split(whole[f"layers.{layer}.mlp.fc.weight"], 2)  # (172, 64) each
+        for r, rows in enumerate((slice(0, 86), slice(86, 172))):
+            np.testing.assert_allclose(parts[f"layers.{layer}.mlp.fc.weight@tp{r}"],
+                                       np.concatenate([gate[rows], up[rows]]), rtol=1e-4, atol=1e-5)

@@ -39,6 +39,7 @@ CASES = {  # name: (overlap, grad_accum, optimizer, activation checkpointing, mo
     "lamb": (True, 1, "lamb", "none", {}),
     "parallel-block-untied-full-recompute": (True, 1, "adamw", "full", {"parallel_block": True, "tie_embeddings": False}),
     "selective-recompute-layernorm": (True, 1, "adamw", "selective", {"norm": "layernorm"}),
+    "swiglu": (True, 1, "adamw", "none", {"mlp": "swiglu", "ffn_dim": 48}),
 }
 
 
@@ -76,9 +77,13 @@ def train_split(split: Parallelized, cfg: Config, dp_rank: int) -> tuple[list[fl
     return losses, norms
 
 
-def expected_shard(name: str, full: torch.Tensor, tp: int, r: int) -> torch.Tensor:
-    """Which part of the unsplit parameter tp rank r must hold, written out per layer kind."""
+def expected_shard(name: str, full: torch.Tensor, tp: int, r: int, gated: bool) -> torch.Tensor:
+    """Which part of the unsplit parameter tp rank r must hold, written out per layer kind;
+    `gated`: mlp.fc is SwiGLU's [gate; up]."""
     rows = lambda n: slice(r * n // tp, (r + 1) * n // tp)  # noqa: E731
+    if gated and name.endswith("mlp.fc.weight"):  # its rows of the gate and the same of up
+        gate_up = full.unflatten(0, (2, -1))
+        return gate_up[:, rows(gate_up.shape[1])].flatten(0, 1)
     if name.endswith(("tok_embeddings.weight", "lm_head.weight", "mlp.fc.weight")):
         return full[rows(full.shape[0])]
     if name.endswith("attn.qkv.weight"):  # its heads in each of q, k and v
@@ -102,8 +107,9 @@ def cases(rank: int, world: int, tp: int) -> dict:
         ref = dict(ref_model.named_parameters())
         params = dict(split.engine.model.named_parameters())
         assert params.keys() == ref.keys(), "tensor parallelism must keep the model's names"
-        diffs = [(params[n] - expected_shard(n, ref[n], tp, mesh.coords.tp)).abs().max().item() for n in ref]
-        whole = [n for n in ref if expected_shard(n, ref[n], tp, mesh.coords.tp) is ref[n]]
+        mine = {n: expected_shard(n, ref[n], tp, mesh.coords.tp, cfg.model.mlp == "swiglu") for n in ref}
+        diffs = [(params[n] - mine[n]).abs().max().item() for n in ref]
+        whole = [n for n in ref if mine[n] is ref[n]]
         norms_tp = {n: comm.all_gather_json(params[n].tolist(), group=mesh.tp) for n in whole}
         out[name] = {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
                      "param_diff": max(diffs), "norms_same_on_tp_ranks": all(v[0] == v[-1] for v in norms_tp.values())}

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mshpc.parallel.tp_split import COLUMNS, QKV_ROWS, ROWS, TpSplit, chunk_bounds
+from mshpc.parallel.tp_split import COLUMNS, GATE_UP_ROWS, QKV_ROWS, ROWS, TpSplit, chunk_bounds
 
 
 def test_chunk_bounds_cover_the_range_once():
@@ -17,9 +17,12 @@ def test_rows_columns_and_qkv_blocks_cut_as_megatron_does():
     assert torch.equal(COLUMNS.part(w, 0, 2), w[:, :2])
     # [q; k; v] of 2 rows each: rank 1 keeps the second row of each block
     assert torch.equal(QKV_ROWS.part(w, 1, 2), w[[1, 3, 5]])
+    # SwiGLU's [gate; up] of 3 rows each: rank 0 keeps gate rows 0 and up rows 0 (3 + 0)
+    assert torch.equal(GATE_UP_ROWS.part(w, 0, 2), w[[0, 3]])
+    assert torch.equal(GATE_UP_ROWS.part(w, 1, 2), w[[1, 2, 4, 5]])
 
 
-@pytest.mark.parametrize("split", [ROWS, COLUMNS, QKV_ROWS], ids=["rows", "columns", "qkv"])
+@pytest.mark.parametrize("split", [ROWS, COLUMNS, QKV_ROWS, GATE_UP_ROWS], ids=["rows", "columns", "qkv", "gate-up"])
 @pytest.mark.parametrize("size", [1, 2, 3, 4])
 def test_join_inverts_part_and_parts_reshard_between_sizes(split, size):
     w = torch.randn(12, 12)
@@ -37,3 +40,4 @@ def test_uneven_vocabulary_rows_join_back():
 
 def test_json_round_trip():
     assert TpSplit.from_json(QKV_ROWS.to_json()) == QKV_ROWS
+    assert TpSplit.from_json(GATE_UP_ROWS.to_json()) == GATE_UP_ROWS
