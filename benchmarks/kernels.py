@@ -69,12 +69,15 @@ def op_cases(device: str, dtype: torch.dtype, compile_ok: bool) -> list[Case]:
     b = torch.zeros(d, device=device, requires_grad=True)
     h = torch.randn(tokens, 4 * d, device=device, dtype=dtype, requires_grad=True)
     fb = torch.zeros(4 * d, device=device, requires_grad=True)
+    gate_up = torch.randn(tokens, 2 * 4 * d, device=device, dtype=dtype, requires_grad=True)  # [gate | up]
     qk = torch.randn(tokens // 512, 512, 2 * d // 64, 64, device=device, dtype=dtype, requires_grad=True)
     cos, sin = torch.randn(512, 32, device=device), torch.randn(512, 32, device=device)
     specs = [  # name, fused fn, reference fn, args, bytes (fwd + bwd)
         ("add_rms_norm", ops.add_rms_norm, reference.add_rms_norm, (x, r, w, 1e-5), 8 * tokens * d * e),
         ("add_layer_norm", ops.add_layer_norm, reference.add_layer_norm, (x, r, w, b, 1e-5), 8 * tokens * d * e),
         ("bias_gelu", ops.bias_gelu, reference.bias_gelu, (h, fb), 5 * tokens * 4 * d * e),
+        # forward reads gate and up, writes y; backward reads dy, gate and up, writes both gradients
+        ("swiglu", ops.swiglu, reference.swiglu, (gate_up,), 8 * tokens * 4 * d * e),
         ("rope", ops.rope, reference.rope, (qk, cos, sin), 4 * qk.numel() * e),
     ]
     cases = []
@@ -121,9 +124,9 @@ def optimizer_cases(device: str, compile_ok: bool) -> list[Case]:
     ]
 
 
-def model_case(device: str) -> Case:
+def model_case(device: str, mlp: str = "gelu") -> Case:
     """A whole training step's forward and backward of a small GPT: every op in place."""
-    cfg = dict(vocab_size=257, seq_len=256, n_layer=4, n_head=4, d_model=256)
+    cfg = dict(vocab_size=257, seq_len=256, n_layer=4, n_head=4, d_model=256, mlp=mlp)
     models = {mode: GPT(ModelConfig(**cfg, fused_kernels=mode)).to(device) for mode in ("on", "off")}
     batch = torch.randint(0, 257, (8, 257), device=device)
 
@@ -132,7 +135,8 @@ def model_case(device: str) -> Case:
             loss_fn(model(batch[:, :-1]), batch[:, 1:]).backward()
         return run
 
-    return Case("gpt_fwd_bwd", step(models["on"]), {"eager": step(models["off"])}, 0)
+    return Case("gpt_fwd_bwd" if mlp == "gelu" else f"gpt_{mlp}_fwd_bwd", step(models["on"]),
+                {"eager": step(models["off"])}, 0)
 
 
 def timed(fn: Callable[[], object], device: str, iters: int) -> float:
@@ -213,7 +217,7 @@ def main() -> None:
             dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
             cases = [(c, str(dt).split(".")[1]) for dt in dtypes for c in op_cases(device, dt, not args.no_compile)]
             cases += [(c, "float32") for c in optimizer_cases(device, not args.no_compile)]
-            cases.append((model_case(device), "float32"))
+            cases += [(model_case(device, mlp), "float32") for mlp in ("gelu", "swiglu")]
             for case, dtype in cases:
                 if args.only not in case.name:
                     continue
