@@ -103,7 +103,7 @@ def check_bias_gelu(bias: bool, dtype: torch.dtype, device: str = "cpu") -> None
 
 
 def check_swiglu(dtype: torch.dtype, device: str = "cpu") -> None:
-    """Output and x's gradient; under autocast fc's output is bf16 and stays so."""
+    """Fused gate against its reference: the output (half of x's last dim) and x's gradient."""
     x = swiglu_args(dtype, grad=True, device=device)
     y = ops.swiglu(x)
     assert y.shape == (*x.shape[:-1], x.shape[-1] // 2)
