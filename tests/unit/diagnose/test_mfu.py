@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from mshpc.config import load_config
+from mshpc.config import ModelConfig, load_config
 from mshpc.diagnose.mfu import MfuDeclineDetector, achieved_tflops, flops_per_token, mfu, peak_tflops
+from mshpc.model.gpt import GPT
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -119,3 +120,15 @@ def test_llama3_70b_by_hand():
     #   attention 12 * 80 * 8192 * 8192 = 64,424,509,440; F / token = 481,434,796,032
     m = load_config(REPO / "configs/llama3-70b.yaml").model
     assert flops_per_token(m) == 481_434_796_032
+
+
+def test_swiglu_flops_are_6n_of_the_built_model_plus_attention():
+    """The count follows the model mshpc builds: 6 FLOPs per token for every weight of a matrix a
+    token multiplies by (the blocks' and the lm head; not the embedding lookup, not the norms),
+    plus attention's 12 l s h."""
+    m = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, mlp="swiglu", ffn_dim=40,
+                    tie_embeddings=False)
+    model = GPT(m)
+    matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in n)
+    assert matrices == 2 * (4 * 32 * 32 + 3 * 32 * 40) + 64 * 32
+    assert flops_per_token(m) == 6 * matrices + 12 * 2 * 16 * 32
