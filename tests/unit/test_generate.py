@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+from mshpc.cli import main
 from mshpc.config import ModelConfig
 from mshpc.errors import CheckpointError, ConfigError
 from mshpc.generate import SampleOptions, decode, generate, next_token
@@ -95,3 +96,15 @@ def test_empty_prompt_missing_checkpoint_and_too_long_a_request(tmp_path):
         generate(tmp_path, "hi", SampleOptions())
     with pytest.raises(ConfigError, match="exceeds model.seq_len=32 \\(choose at most 22\\)"):
         decode(model("serial"), list(range(10)), SampleOptions(max_new_tokens=23))
+
+
+@pytest.mark.parametrize("args,words", [
+    (["nope", "--prompt", "x"], "CheckpointError: nope does not exist"),
+    ([".", "--prompt", "x", "--temperature", "-1"], "ConfigError: --temperature=-1.0 must be > 0"),
+    ([".", "--prompt", ""], "ConfigError: --prompt is empty"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, words, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert main(["generate", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], lines
