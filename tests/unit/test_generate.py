@@ -108,3 +108,33 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, words, capsys, monkeypatch, 
     assert main(["generate", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], lines
+
+
+def test_generate_from_a_run_directory_with_a_bpe_tokenizer(tmp_path):
+    """End to end without training: a run directory holding config.yaml and a checkpoint of the
+    `model/` weights, written as a save writes them; the BPE file's text comes back around the
+    model's greedy tokens."""
+    pytest.importorskip("tokenizers")
+    from support.bpe import train_bpe
+    from support.ckpt_runs import sharded_checkpoint
+
+    from mshpc.config import dump_yaml, load_config
+    from mshpc.data.tokenizer import build_tokenizer
+
+    train_bpe(tmp_path / "bpe.json", ["<|endoftext|>"])
+    cfg = load_config(None, ["model.vocab_size=320", "model.seq_len=32", "model.n_layer=2", "model.n_head=4",
+                             "model.n_kv_head=2", "model.d_model=32", "model.init_std=0.5",
+                             f"data.tokenizer={tmp_path / 'bpe.json'}"])
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-0000003").mkdir(parents=True)
+    (run / "config.yaml").write_text(dump_yaml(cfg))
+    torch.manual_seed(0)
+    m = GPT(cfg.model).eval()
+    sharded_checkpoint(run / "checkpoints" / "step-0000003", {}, 1,
+                       whole={f"model/{n}": (p.detach(), 0) for n, p in m.named_parameters()})
+    tok = build_tokenizer(cfg.data.tokenizer)
+    opts = SampleOptions(max_new_tokens=8, greedy=True)
+    text, tokens_per_s = generate(run, "hello world", opts)
+    prompt = tok.encode(b"hello world").tolist()
+    assert text == tok.decode(prompt + decode(m, prompt, opts, stop_id=tok.eos_id, vocab=tok.vocab_size))
+    assert text.startswith(" hello world") and tokens_per_s > 0  # ByteLevel's prefix space
