@@ -10,18 +10,12 @@ from mshpc.checkpoint.paths import latest_step, step_dir
 from mshpc.config import load_config
 from mshpc.generate import SampleOptions, decode, load_model
 from support.ckpt_runs import final_params
-from support.cli_runner import mshpc, train_args
-
-LAYOUT = ["model.n_head=4", "model.n_kv_head=1", "parallel.tp=2", "parallel.pp=2", "train.micro_batch=4",
-          "train.grad_accum=2", "train.steps=2", "checkpoint.interval_steps=2"]
+from support.cli_runner import mshpc
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, corpus_cache):
-    tmp = tmp_path_factory.mktemp("gen")
-    out = mshpc(*train_args(tmp, corpus_cache, *LAYOUT, name="tp2pp2"), "--nproc", "4")
-    assert out.returncode == 0, out.stderr[-3000:]
-    return tmp / "tp2pp2"
+def run_dir(mqa_tp2_pp2):
+    return mqa_tp2_pp2  # conftest.py: 8 steps at tp=2 x pp=2, multi-query, checkpoints at 4 and 8
 
 
 def joined_by_hand(parts: dict[str, np.ndarray], name: str) -> np.ndarray:
@@ -51,7 +45,7 @@ def test_a_tp2_pp2_checkpoint_loads_whole_and_generates(run_dir):
 
 
 def test_the_cache_is_what_full_recomputation_gives_on_trained_weights(run_dir):
-    model = load_model(step_dir(run_dir / "checkpoints", 2), load_config(run_dir / "config.yaml"))
+    model = load_model(step_dir(run_dir / "checkpoints", 4), load_config(run_dir / "config.yaml"))
     opts = SampleOptions(max_new_tokens=20, temperature=0.8, top_k=20, seed=3)
     torch.manual_seed(0)
     assert decode(model, list(b"import "), opts) == decode(model, list(b"import "), opts, cache=False)
