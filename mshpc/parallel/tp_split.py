@@ -103,7 +103,8 @@ class TpSplit:
         return torch.cat(joined, dim=self.dim)
 
     def to_json(self) -> list:
-        # [dim, blocks] as before sections existed, so older mshpc reads what it can
+        # [dim, blocks] as manifests held before sections existed (from_json still reads those); a
+        # sectioned split appends its [rows, units] list
         head: list = [self.dim, self.blocks]
         return head + [[[sec.rows, sec.units] for sec in self.sections]] if self.sections else head
 
