@@ -141,6 +141,24 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate", help="sample text from a checkpoint",
+        description="Continue --prompt with the model of a checkpoint (any dp/tp/pp layout), on this "
+        "process, with a key/value cache. Prints the prompt and its continuation.",
+    )
+    p.add_argument("path", type=Path, metavar="RUN_OR_CHECKPOINT",
+                   help="a run directory (its newest checkpoint) or a checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true", help="the likeliest token every time (deterministic)")
+    p.set_defaults(func=cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mshpc", description="MegaScale-style LLM training on Slurm clusters."
@@ -153,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_preflight(sub)
     _add_diagnose(sub)
     _add_plan(sub)
+    _add_generate(sub)
     return parser
 
 
@@ -297,6 +316,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dev = device_spec(args.gpu, args.intra_bw, args.inter_bw, args.efficiency)
     predictions = plan(cfg, args.gpus, dev, args.gpus_per_node)
     print(format_json(predictions) if args.json else format_table(predictions, dev, args.top))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mshpc.generate import SampleOptions, generate
+
+    opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.greedy)
+    text, tokens_per_s = generate(args.path, args.prompt, opts)
+    print(text)
+    print(f"mshpc: {tokens_per_s:.1f} tokens/s", file=sys.stderr)
     return 0
 
 

@@ -27,10 +27,10 @@ from mshpc.parallel.pipeline import TIED
 from mshpc.parallel.tp_split import TpSplit
 from mshpc.tensor_slice import SliceReader
 
-SPLITS_KEY = "tp_splits"  # manifest extras: {parameter name: [dim, blocks]}, written at tp > 1
+SPLITS_KEY = "tp_splits"  # manifest extras: {parameter name: TpSplit.to_json()}, written at tp > 1
 
 
-def splits_extra(splits: dict[str, TpSplit]) -> dict[str, list[int]]:
+def splits_extra(splits: dict[str, TpSplit]) -> dict[str, list]:
     return {name: split.to_json() for name, split in sorted(splits.items())}
 
 

@@ -114,10 +114,13 @@ def test_multi_tensor_adamw_and_lamb_on_cuda():
     torch.testing.assert_close(norms_sq.T, want, rtol=5e-5, atol=0)
 
 
-def test_flash_window_attention_matches_the_masked_path():
-    cfg = ModelConfig(seq_len=256, n_head=4, d_model=256, sliding_window=48)
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_flash_window_attention_matches_the_masked_path(n_kv_head):
+    cfg = ModelConfig(seq_len=256, n_head=4, d_model=256, sliding_window=48, n_kv_head=n_kv_head)
     attn = CausalSelfAttention(cfg).cuda()
-    q, k, v = (rand(2, 256, 4, 64, dtype=torch.bfloat16, seed=i, device="cuda") for i in range(3))
+    q = rand(2, 256, 4, 64, dtype=torch.bfloat16, seed=0, device="cuda")
+    # grouped-query: flash gets k and v expanded, the mask path SDPA's enable_gqa
+    k, v = (rand(2, 256, n_kv_head, 64, dtype=torch.bfloat16, seed=i, device="cuda") for i in (1, 2))
     assert flash_window_supported(q, 0.0)[0]
     flash = attn.attend(q, k, v, 0.0)
     masked = attn.attend(q.float(), k.float(), v.float(), 0.0)  # fp32: the SDPA mask path

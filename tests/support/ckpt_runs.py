@@ -15,6 +15,11 @@ STEPS = 8
 # max_restarts=0: these tests restart by hand, to see what a crash leaves (tests/faults: on its own)
 CKPT = ["checkpoint.interval_steps=4", "checkpoint.keep=3", f"train.steps={STEPS}", "supervisor.max_restarts=0"]
 
+# multi-query attention (4 heads, 1 kv head: each tp rank keeps a copy of it) at tp=2 x pp=2,
+# dp=1: a global batch of 16 as the dp=2 runs have
+MQA = ["model.n_head=4", "model.n_kv_head=1"]
+MQA_TP2_PP2 = [*MQA, "parallel.tp=2", "parallel.pp=2", "train.micro_batch=4", "train.grad_accum=4"]
+
 
 def run(tmp_path, cache, name, *overrides, nproc=2, faults=None, expect=0):
     out = mshpc(*train_args(tmp_path, cache, *CKPT, *overrides, name=name), "--nproc", str(nproc),

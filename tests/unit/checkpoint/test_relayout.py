@@ -11,7 +11,7 @@ from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra
 from mshpc.errors import CheckpointError
-from mshpc.parallel.tp_split import COLUMNS, QKV_ROWS, ROWS
+from mshpc.parallel.tp_split import COLUMNS, QKV_ROWS, ROWS, qkv_split
 
 QKV = torch.arange(18 * 4, dtype=torch.float32).reshape(18, 4)  # [q; k; v] of 6 rows each
 PROJ = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6) + 100
@@ -81,3 +81,17 @@ def test_tp_checkpoint_without_its_rules_is_refused_with_the_reason(tmp_path):
     reader = _reader(tmp_path, {"master/qkv@tp0": QKV, "master/qkv@tp1": QKV}, tp=2)
     with pytest.raises(CheckpointError, match="written at parallel.tp=2 without its tp split rules"):
         Relayout.build(reader, new_tp=1, new_rank=0, current={}, tied=frozenset())
+
+
+@pytest.mark.parametrize("kv,old,new", [(1, 2, 1), (1, 4, 2), (2, 2, 1), (2, 4, 1), (2, 1, 4)])
+def test_grouped_query_qkv_reshards_through_the_manifests_rule(tmp_path, kv, old, new):
+    # 4 q heads and kv kv heads of 2 rows; saved at tp=old with the rule in the manifest's
+    # extras (JSON, as a save writes it), read at tp=new: the parts the new ranks would have cut
+    split = qkv_split(4, kv, 2)
+    whole = torch.randn((4 + 2 * kv) * 2, 3)
+    tensors = {"master/qkv": whole} if old == 1 else {f"master/qkv@tp{r}": split.part(whole, r, old) for r in range(old)}
+    reader = _reader(tmp_path, tensors, tp=old, extras={SPLITS_KEY: splits_extra({"qkv": split})} if old > 1 else None)
+    for r in range(new):
+        name = "master/qkv" if new == 1 else f"master/qkv@tp{r}"
+        relayout = Relayout.build(reader, new_tp=new, new_rank=r, current={"qkv": split}, tied=frozenset())
+        assert torch.equal(_read_whole(relayout, reader, name), split.part(whole, r, new))

@@ -12,6 +12,7 @@ from mshpc.data.prepare import prepare_corpus
 from mshpc.data.shards import TokenDataset
 from mshpc.data.tokenizer import ByteTokenizer, build_tokenizer
 from mshpc.errors import DataError
+from support.bpe import train_bpe
 
 HAVE_TOKENIZERS = importlib.util.find_spec("tokenizers") is not None
 
@@ -37,22 +38,9 @@ def test_bpe_without_tokenizers_says_how_to_install(tmp_path: Path) -> None:
         build_tokenizer(str(tmp_path / "tok.json"))
 
 
-def _train_bpe(path: Path, special_tokens: list[str]):
-    """A tiny byte-level BPE tokenizer saved to `path`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    hf = Tokenizer(models.BPE(unk_token="<unk>"))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel()
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *special_tokens])
-    hf.train_from_iterator(["hello world def f(x): return x + 1"] * 10, trainer=trainer)
-    hf.save(str(path))
-    return hf
-
-
 @pytest.mark.skipif(not HAVE_TOKENIZERS, reason="needs the tokenizers package")
 def test_bpe_file_prepares_a_dataset(corpus: Path, tmp_path: Path) -> None:
-    hf = _train_bpe(tmp_path / "bpe.json", ["<|endoftext|>"])
+    hf = train_bpe(tmp_path / "bpe.json", ["<|endoftext|>"])
     tok = build_tokenizer(str(tmp_path / "bpe.json"))
     assert tok.eos_id == hf.token_to_id("<|endoftext|>") and tok.vocab_size == hf.get_vocab_size()
     ds = TokenDataset.open(prepare_corpus([corpus], tmp_path / "ds", str(tmp_path / "bpe.json")))
@@ -64,6 +52,22 @@ def test_bpe_file_prepares_a_dataset(corpus: Path, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not HAVE_TOKENIZERS, reason="needs the tokenizers package")
 def test_bpe_without_an_eos_token_gets_one_more_id(tmp_path: Path) -> None:
-    hf = _train_bpe(tmp_path / "bpe.json", [])
+    hf = train_bpe(tmp_path / "bpe.json", [])
     tok = build_tokenizer(str(tmp_path / "bpe.json"))
     assert tok.eos_id == hf.get_vocab_size() and tok.vocab_size == tok.eos_id + 1
+
+
+def test_byte_decode_inverts_encode_and_skips_the_end_of_document_id() -> None:
+    tok = ByteTokenizer()
+    text = "añ\n€"
+    assert tok.decode([*tok.encode(text.encode()).tolist(), 256]) == text
+
+
+@pytest.mark.skipif(not HAVE_TOKENIZERS, reason="needs the tokenizers package")
+def test_bpe_decode_inverts_encode_and_skips_ids_past_its_vocabulary(tmp_path: Path) -> None:
+    train_bpe(tmp_path / "bpe.json", [])  # no end-of-text token: its id is one past the vocabulary
+    tok = build_tokenizer(str(tmp_path / "bpe.json"))
+    ids = tok.encode(b"hello world").tolist()
+    assert len(ids) < len("hello world")  # merged: really BPE
+    # ByteLevel pre-tokenizing adds a space before the first word, as GPT-2 does
+    assert tok.decode([*ids, tok.eos_id]) == " hello world"
