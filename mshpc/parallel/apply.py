@@ -24,9 +24,12 @@ from mshpc.config import Config, ParallelConfig
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel.mesh import Mesh
+from mshpc.parallel.parallel_block import fusable, fuse_parallel_block, log_choice
 from mshpc.parallel.tensor import (
     ColumnParallelLinear,
+    PartialRowLinear,
     RowParallelLinear,
+    SharedInputSlot,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
@@ -35,7 +38,7 @@ from mshpc.parallel.zero import ModelParallel, ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
-TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SharedInputSlot, PartialRowLinear)
 
 
 @dataclass(frozen=True)
@@ -87,13 +90,29 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
         model.lm_head = lm_head = ColumnParallelLinear(_local(head.weight, ROWS, group), group, chunks)
         if tied:
             lm_head.weight = vocab.weight
+    cfg = getattr(model, "cfg", None)
+    fused, reason = fusable(cfg is not None and cfg.parallel_block, 0.0 if cfg is None else cfg.dropout)
+    log_choice(fused, reason)
     for block in _blocks(model):
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(_local(attn.qkv.weight, QKV_ROWS, group), group, chunks, QKV_ROWS)
-        attn.proj = RowParallelLinear(_local(attn.proj.weight, COLUMNS, group), group, chunks)
-        mlp.fc = ColumnParallelLinear(_local(mlp.fc.weight, ROWS, group), group, chunks)
-        mlp.proj = RowParallelLinear(_local(mlp.proj.weight, COLUMNS, group), group, chunks)
+        local = {"attn.qkv": (_local(attn.qkv.weight, QKV_ROWS, group), QKV_ROWS),
+                 "mlp.fc": (_local(mlp.fc.weight, ROWS, group), ROWS),
+                 "attn.proj": (_local(attn.proj.weight, COLUMNS, group), COLUMNS),
+                 "mlp.proj": (_local(mlp.proj.weight, COLUMNS, group), COLUMNS)}
+        if fused:
+            fuse_parallel_block(block, local, group, chunks)
+        else:
+            _split_block(attn, mlp, local, group, chunks)
     return functools.partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=group)
+
+
+def _split_block(attn: Any, mlp: Any, local: dict[str, tuple[torch.Tensor, TpSplit]],
+                 group: dist.ProcessGroup, chunks: int) -> None:
+    """Megatron's block: each column-parallel linear gathers its input, each row-parallel one
+    reduce-scatters its output (2 + 2 collectives per layer forward)."""
+    attn.qkv, mlp.fc = (ColumnParallelLinear(w, group, chunks, split) for w, split in (local["attn.qkv"], local["mlp.fc"]))
+    attn.proj = RowParallelLinear(local["attn.proj"][0], group, chunks)
+    mlp.proj = RowParallelLinear(local["mlp.proj"][0], group, chunks)
 
 
 def tp_replicated(model: nn.Module) -> frozenset[str]:
