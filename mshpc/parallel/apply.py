@@ -91,7 +91,8 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
         if tied:
             lm_head.weight = vocab.weight
     cfg = getattr(model, "cfg", None)
-    fused, reason = fusable(cfg is not None and cfg.parallel_block, 0.0 if cfg is None else cfg.dropout)
+    fused, reason = fusable(cfg is not None and cfg.parallel_block, 0.0 if cfg is None else cfg.dropout,
+                            parallel.tp_fused_block)
     log_choice(fused, reason)
     for block in _blocks(model):
         attn, mlp = block.attn, block.mlp

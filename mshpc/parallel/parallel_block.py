@@ -23,11 +23,13 @@ from mshpc.parallel.tp_split import TpSplit
 log = logging.getLogger(__name__)
 
 
-def fusable(parallel_block: bool, dropout: float) -> tuple[bool, str]:
-    """Whether a block can run fused, and why not: the fused block applies the branches' dropout
+def fusable(parallel_block: bool, dropout: float, asked: bool = True) -> tuple[bool, str]:
+    """Whether a block runs fused, and why not: the fused block applies the branches' dropout
     to row-parallel partial sums, which is the unfused block's only without dropout."""
     if not parallel_block:
         return False, "serial block: attention's output feeds the MLP's norm"
+    if not asked:
+        return False, "parallel.tp_fused_block=false"
     if dropout > 0:
         return False, f"model.dropout={dropout} (the fused block drops out of partial sums)"
     return True, "parallel block, no dropout"
