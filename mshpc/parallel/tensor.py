@@ -3,8 +3,9 @@
 
 Between the tensor-parallel regions the activations are split along the sequence: each tp rank
 holds (b, s/tp, d), so norms, dropout and residual adds run on 1/tp of the tokens. A
-column-parallel linear all-gathers its input along the sequence before its GEMM (its backward
-reduce-scatters the input gradient); a row-parallel linear reduce-scatters its output after its
+column-parallel linear all-gathers its input along the sequence before its GEMM but saves only
+its own shard, which backward gathers again while the input-gradient GEMMs run (Megatron-Core's
+way; its backward reduce-scatters the input gradient); a row-parallel linear reduce-scatters its output after its
 GEMM (its backward all-gathers the output gradient). Activations keep mshpc's (b, s, d) layout;
 rank r's shard is positions [r * s/tp, (r + 1) * s/tp).
 

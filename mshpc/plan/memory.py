@@ -1,18 +1,21 @@
 """Memory per GPU of a layout: weights, gradients, ZeRO-sharded optimizer state, activations.
 
-Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models"), sec. 4: per layer and micro-batch, with tensor and sequence parallelism,
-sbh(34/t + 5as/(ht)) bytes of 16-bit activations for a serial block with dropout (eq. 2 and
-Table 2), where 34 sbh = attention 11 (qkv input 2, q and k 4, v 2, projection input 2, dropout
-mask 1) + MLP 19 (fc input 2, GeLU input 8, GeLU output 8, dropout mask 1) + two norms 4, and
-5as^2b the attention scores, their dropout mask and output. The planner counts mshpc's block:
-MLP width r*h instead of 4h, one norm and one shared input in the parallel block, no dropout
-masks when model.dropout is 0, and no score matrix where attention runs fused (SDPA's flash
-kernels keep O(s) statistics only). Selective recomputation drops the score terms (sec. 4.2);
-full recomputation keeps each layer's input, 2sbh/t, plus one layer's activations while it is
-recomputed. In the pipeline, stage i of p holds min(m, p - i) micro-batches under 1F1B, and
-2(p - i - 1) + (v - 1)p + 1 model chunks under the interleaved schedule (Megatron-LM's warm-up
-counts), so the first stage holds L(1 + (p - 1)/(pv)) layers' worth (Korthikanti sec. 4.2.3).
+Activations are what mshpc's blocks save for backward, term by term (`layer_activation_terms`),
+each term measured (plan/saved_activations.py; tests/unit/plan and tests/dist/plan hold the
+formula to the measured bytes within 5% at tp 1, 2, 4, every recomputation mode, with document
+masks and sliding windows). They follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models") sec. 4, whose serial block with dropout keeps
+sbh(34/t + 5as/(ht)) bytes of 16-bit activations per layer (eq. 2, `korthikanti_layer_bytes`),
+with mshpc's differences: the residual stream (each norm's input) is fp32 under bf16 autocast;
+v is a view that keeps the whole qkv output; the MLP is r*h wide (2 * ffn into SwiGLU), k and v
+have n_kv_head heads; the parallel block has one norm and one shared input; no dropout masks
+when model.dropout is 0; no score matrix where attention runs fused (SDPA's flash kernels keep
+a logsumexp per head and token), but SDPA's additive copy of a document or window mask. Selective
+recomputation drops what the attention core makes (sec. 4.2); full recomputation keeps each
+layer's input plus one layer's activations while it is recomputed. In the pipeline, stage i of p
+holds min(m, p - i) micro-batches under 1F1B, all m under GPipe, and 2(p - i - 1) + (v - 1)p + 1
+model chunks under the interleaved schedule (Megatron-LM's warm-up counts), so the first stage
+holds L(1 + (p - 1)/(pv)) layers' worth (Korthikanti sec. 4.2.3).
 """
 
 from __future__ import annotations
