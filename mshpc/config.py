@@ -80,6 +80,9 @@ class ParallelConfig:
     # reduce-scatters go in this many chunks along the sequence, each overlapping a GEMM
     tp_overlap: bool = True
     tp_overlap_chunks: int = _min(1, 2)
+    # the parallel block (model.parallel_block) under tp > 1 shares one all-gather between qkv and
+    # mlp.fc and reduce-scatters the sum of its two outputs once; false: Megatron's 2 + 2 per layer
+    tp_fused_block: bool = True
     # none | full (recompute each block) | selective (recompute the attention core)
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     # pipeline schedule: 1f1b (interleaved 1F1B when virtual_stages > 1) or gpipe (all forwards,

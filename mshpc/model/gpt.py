@@ -96,6 +96,9 @@ class Block(nn.Module):
                 cache: KVCache | None = None) -> torch.Tensor:
         h, _ = self.ln_1(x)  # (b, s, d)
         if self.ln_2 is None:
+            kind = h.device.type
+            if torch.is_autocast_enabled(kind):  # one cast copy for both branches' GEMMs to save, not one each
+                h = h.to(torch.get_autocast_dtype(kind))
             return x + self.attn(h, doc_mask, cache) + self.mlp(h)  # both branches read the same normed input
         h, x = self.ln_2(self.attn(h, doc_mask, cache), residual=x)  # x + attn(.), and its norm, in one pass
         return x + self.mlp(h)

@@ -24,9 +24,12 @@ from mshpc.config import Config, ParallelConfig
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel.mesh import Mesh
+from mshpc.parallel.parallel_block import fusable, fuse_parallel_block, log_choice
 from mshpc.parallel.tensor import (
     ColumnParallelLinear,
+    PartialRowLinear,
     RowParallelLinear,
+    SharedInputSlot,
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
@@ -35,7 +38,7 @@ from mshpc.parallel.zero import ModelParallel, ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
-TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+TP_MODULES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, SharedInputSlot, PartialRowLinear)
 
 
 @dataclass(frozen=True)
@@ -89,17 +92,34 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
         model.lm_head = lm_head = ColumnParallelLinear(_local(head.weight, ROWS, group), group, chunks)
         if tied:
             lm_head.weight = vocab.weight
+    cfg = getattr(model, "cfg", None)
+    fused, reason = fusable(cfg is not None and cfg.parallel_block, 0.0 if cfg is None else cfg.dropout,
+                            parallel.tp_fused_block)
+    log_choice(fused, reason)
     for block in _blocks(model):
         attn, mlp = block.attn, block.mlp
         qkv = qkv_split(attn.n_head, attn.n_kv_head, attn.head_dim)
-        attn.qkv = ColumnParallelLinear(_local(attn.qkv.weight, qkv, group), group, chunks, qkv)
+        fc_split = GATE_UP_ROWS if mlp.gated else ROWS  # swiglu: the gate needs its rank's up rows
+        local = {"attn.qkv": (_local(attn.qkv.weight, qkv, group), qkv),
+                 "mlp.fc": (_local(mlp.fc.weight, fc_split, group), fc_split),
+                 "attn.proj": (_local(attn.proj.weight, COLUMNS, group), COLUMNS),
+                 "mlp.proj": (_local(mlp.proj.weight, COLUMNS, group), COLUMNS)}
         # this rank's heads: 1/tp of them, and of the kv heads, or a copy of one when fewer than tp
         attn.n_head, attn.n_kv_head = attn.n_head // tp, max(1, attn.n_kv_head // tp)
-        attn.proj = RowParallelLinear(_local(attn.proj.weight, COLUMNS, group), group, chunks)
-        fc_split = GATE_UP_ROWS if mlp.gated else ROWS  # swiglu: the gate needs its rank's up rows
-        mlp.fc = ColumnParallelLinear(_local(mlp.fc.weight, fc_split, group), group, chunks, fc_split)
-        mlp.proj = RowParallelLinear(_local(mlp.proj.weight, COLUMNS, group), group, chunks)
+        if fused:
+            fuse_parallel_block(block, local, group, chunks)
+        else:
+            _split_block(attn, mlp, local, group, chunks)
     return functools.partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=group)
+
+
+def _split_block(attn: Any, mlp: Any, local: dict[str, tuple[torch.Tensor, TpSplit]],
+                 group: dist.ProcessGroup, chunks: int) -> None:
+    """Megatron's block: each column-parallel linear gathers its input, each row-parallel one
+    reduce-scatters its output (2 + 2 collectives per layer forward)."""
+    attn.qkv, mlp.fc = (ColumnParallelLinear(w, group, chunks, split) for w, split in (local["attn.qkv"], local["mlp.fc"]))
+    attn.proj = RowParallelLinear(local["attn.proj"][0], group, chunks)
+    mlp.proj = RowParallelLinear(local["mlp.proj"][0], group, chunks)
 
 
 def tp_replicated(model: nn.Module) -> frozenset[str]:
@@ -113,7 +133,7 @@ def tp_copies(model: nn.Module) -> dict[str, torch.Tensor]:
     shape) of the rows this rank holds a copy of that another rank counts in the clip norm."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, ColumnParallelLinear) and any(not c.owner for c in m.copies):
+        if isinstance(m, (ColumnParallelLinear, SharedInputSlot)) and any(not c.owner for c in m.copies):
             mask = torch.zeros_like(m.weight, dtype=torch.bool)
             for c in m.copies:
                 mask[c.lo:c.hi] = not c.owner

@@ -3,8 +3,9 @@
 
 Between the tensor-parallel regions the activations are split along the sequence: each tp rank
 holds (b, s/tp, d), so norms, dropout and residual adds run on 1/tp of the tokens. A
-column-parallel linear all-gathers its input along the sequence before its GEMM (its backward
-reduce-scatters the input gradient); a row-parallel linear reduce-scatters its output after its
+column-parallel linear all-gathers its input along the sequence before its GEMM but saves only
+its own shard, which backward gathers again while the input-gradient GEMMs run (Megatron-Core's
+way; its backward reduce-scatters the input gradient); a row-parallel linear reduce-scatters its output after its
 GEMM (its backward all-gathers the output gradient). Activations keep mshpc's (b, s, d) layout;
 rank r's shard is positions [r * s/tp, (r + 1) * s/tp).
 
@@ -16,7 +17,8 @@ reorders no sum: the weight gradients see the whole sequence in one GEMM in eith
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,29 +37,44 @@ def _wait(work: comm.Pending | None) -> None:
         work.wait()
 
 
+Gathering = list[tuple[int, int, "comm.Pending | None", torch.Tensor]]  # (lo, hi, work, landed) per chunk
+
+
+def start_gather(x: torch.Tensor, group: dist.ProcessGroup, chunks: int) -> Gathering:
+    """Collective over `group`: issue the all-gathers of every chunk of this rank's (b, s_l, ...)
+    along the sequence at once, asynchronously, in order; `land_gather` finishes them."""
+    tp = dist.get_world_size(group)
+    pending: Gathering = []
+    for lo, hi in chunk_bounds(x.shape[1], chunks):  # all issued first: chunk k+1 travels while chunk k computes
+        piece = x[:, lo:hi].contiguous()  # (b, c, ...)
+        landed = x.new_empty((tp, *piece.shape))  # (tp, b, c, ...)
+        pending.append((lo, hi, comm.all_gather(landed, piece, group, async_op=True), landed))
+    return pending
+
+
+def land_gather(x: torch.Tensor, pending: Gathering, fns: Sequence[RowFn] = ()) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Wait for `start_gather`'s chunks in order, applying each of `fns` to each chunk as it
+    lands. Returns ([fn(x_full) (b, tp * s_l, ...) per fn], x_full (b, tp * s_l, ...))."""
+    tp, (b, s_l) = pending[0][3].shape[0], x.shape[:2]
+    x_full = x.new_empty((b, tp, s_l, *x.shape[2:]))
+    ys: list[torch.Tensor | None] = [None] * len(fns)
+    for lo, hi, work, landed in pending:
+        _wait(work)
+        x_full[:, :, lo:hi] = landed.transpose(0, 1)
+        for i, fn in enumerate(fns):
+            y = fn(x_full[:, :, lo:hi])  # (b, tp, c, ...)
+            if ys[i] is None:
+                ys[i] = y.new_empty((b, tp, s_l, *y.shape[3:]))
+            ys[i][:, :, lo:hi] = y  # type: ignore[index]
+    return [y.flatten(1, 2) for y in ys if y is not None], x_full.flatten(1, 2)
+
+
 def gather_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective over `group`: all-gather every rank's (b, s_l, ...) along the sequence and
     apply `fn` to each gathered chunk as it lands. Returns (fn(x_full) (b, tp * s_l, ...),
     x_full (b, tp * s_l, ...))."""
-    tp, (b, s_l) = dist.get_world_size(group), x.shape[:2]
-    bounds = chunk_bounds(s_l, chunks)
-    pending = []
-    for lo, hi in bounds:  # all issued first: chunk k+1 travels while chunk k computes
-        piece = x[:, lo:hi].contiguous()  # (b, c, ...)
-        landed = x.new_empty((tp, *piece.shape))  # (tp, b, c, ...)
-        pending.append((comm.all_gather(landed, piece, group, async_op=True), landed))
-    x_full = x.new_empty((b, tp, s_l, *x.shape[2:]))
-    y_full: torch.Tensor | None = None
-    for (lo, hi), (work, landed) in zip(bounds, pending, strict=True):
-        _wait(work)
-        x_full[:, :, lo:hi] = landed.transpose(0, 1)
-        if fn is not None:
-            y = fn(x_full[:, :, lo:hi])  # (b, tp, c, ...)
-            if y_full is None:
-                y_full = y.new_empty((b, tp, s_l, *y.shape[3:]))
-            y_full[:, :, lo:hi] = y
-    x_full = x_full.flatten(1, 2)
-    return (x_full if y_full is None else y_full.flatten(1, 2)), x_full
+    ys, x_full = land_gather(x, start_gather(x, group, chunks), () if fn is None else (fn,))
+    return (ys[0] if ys else x_full), x_full
 
 
 def scatter_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chunks: int,
@@ -65,14 +82,23 @@ def scatter_seq(x: torch.Tensor, fn: RowFn | None, group: dist.ProcessGroup, chu
     """Collective over `group`: apply `fn` to the full-sequence x (b, s, ...) chunk by chunk and
     reduce-scatter each result along the sequence as soon as it is computed; run `meanwhile`
     while the last ones travel. Returns this rank's (b, s / tp, ...) of the sum over ranks."""
-    tp, (b, s) = dist.get_world_size(group), x.shape[:2]
+    tp, s = dist.get_world_size(group), x.shape[1]
     rows = x.unflatten(1, (tp, s // tp))  # (b, tp, s_l, ...)
+    return scatter_chunks(lambda lo, hi: rows[:, :, lo:hi] if fn is None else fn(rows[:, :, lo:hi]),
+                          x.shape[0], s // tp, group, chunks, meanwhile)
+
+
+def scatter_chunks(chunk: Callable[[int, int], torch.Tensor], b: int, s_l: int, group: dist.ProcessGroup,
+                   chunks: int, meanwhile: Callable[[], object] | None = None) -> torch.Tensor:
+    """scatter_seq's loop: `chunk(lo, hi)` computes positions [lo, hi) of every rank's part,
+    (b, tp, hi - lo, ...), which is reduce-scattered at once; `meanwhile` runs while the last
+    ones travel. Returns this rank's (b, s_l, ...) of the sum over ranks."""
     out: torch.Tensor | None = None
     pending = []
-    for lo, hi in chunk_bounds(s // tp, chunks):
-        y = rows[:, :, lo:hi] if fn is None else fn(rows[:, :, lo:hi])  # (b, tp, c, ...)
+    for lo, hi in chunk_bounds(s_l, chunks):
+        y = chunk(lo, hi)  # (b, tp, c, ...)
         if out is None:
-            out = y.new_empty((b, s // tp, *y.shape[3:]))
+            out = y.new_empty((b, s_l, *y.shape[3:]))
         send = y.transpose(0, 1).contiguous()  # (tp, b, c, ...): chunk r goes to rank r
         received = y.new_empty(send.shape[1:])  # (b, c, ...)
         pending.append((comm.reduce_scatter(received, send, group, async_op=True), received, lo, hi))
@@ -116,29 +142,47 @@ def sum_copies(dw: torch.Tensor, copies: list[RowCopy], group: dist.ProcessGroup
 
 
 class _GatherLinear(torch.autograd.Function):
-    """y = all_gather_seq(x) @ W^T; backward: dx = reduce_scatter_seq(dy @ W), dW = dy^T x_full,
-    its replicated rows (`copies`) summed over the ranks that share them."""
+    """y_i = all_gather_seq(x) @ W_i^T for each weight, behind ONE all-gather of x. Saves only
+    this rank's shard of x (Korthikanti et al. 2022 sec. 4.2.2: the sequence-parallel input is
+    kept at 1/tp and gathered again in backward); backward: dx = reduce_scatter_seq(sum_i
+    dy_i @ W_i), its GEMMs running while x travels again, and dW_i = dy_i^T x_full while dx travels,
+    the rows of W_i that several ranks hold copies of (`copies[i]`: kv heads fewer than tp) summed
+    over those ranks."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int,
-                copies: list[RowCopy]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, chunks: int,
+                copies: tuple[list[RowCopy], ...], *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dtype = _compute_dtype(x)
-        w = weight.to(dtype)
-        y, x_full = gather_seq(x.to(dtype), lambda t: F.linear(t, w), group, chunks)
-        ctx.save_for_backward(x_full, weight)
+        x_in, ws = x.to(dtype), [w.to(dtype) for w in weights]
+        ys, _ = land_gather(x_in, start_gather(x_in, group, chunks), [functools.partial(F.linear, weight=w) for w in ws])
+        ctx.save_for_backward(x_in, *weights)  # the (b, s/tp, in) shard, not the gathered input
         ctx.group, ctx.chunks, ctx.x_dtype, ctx.copies = group, chunks, x.dtype, copies
-        return y
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x_full, weight = ctx.saved_tensors
-        dy, w = dy.contiguous().to(x_full.dtype), weight.to(x_full.dtype)
-        dw: list[torch.Tensor] = []  # (out_l, in): one GEMM over the whole sequence, while dx travels
-        dx = scatter_seq(dy, lambda t: t.matmul(w), ctx.group, ctx.chunks,
-                         meanwhile=lambda: dw.append(_rows(dy).t().matmul(_rows(x_full))))
-        if ctx.copies:
-            dw[0] = sum_copies(dw[0], ctx.copies, ctx.group)
-        return dx.to(ctx.x_dtype), dw[0].to(weight.dtype), None, None, None
+    def backward(ctx: Any, *dys: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        regather = start_gather(x, ctx.group, ctx.chunks)  # travels while dx's GEMMs run
+        tp = dist.get_world_size(ctx.group)
+        dys = tuple(dy.contiguous().to(x.dtype) for dy in dys)
+        ws = [w.to(x.dtype) for w in weights]
+        rows = [dy.unflatten(1, (tp, -1)) for dy in dys]  # (b, tp, s_l, out_i)
+
+        def dx_chunk(lo: int, hi: int) -> torch.Tensor:  # (b, tp, c, in): sum_i dy_i @ W_i
+            out = rows[0][:, :, lo:hi].matmul(ws[0])
+            for r, w in zip(rows[1:], ws[1:], strict=True):
+                out += r[:, :, lo:hi].matmul(w)
+            return out
+
+        dw: list[torch.Tensor] = []  # (out_i, in): one GEMM over the whole sequence, while dx travels
+
+        def weight_grads() -> None:
+            x_full = land_gather(x, regather)[1]  # (b, s, in)
+            dw.extend(_rows(dy).t().matmul(_rows(x_full)) for dy in dys)
+
+        dx = scatter_chunks(dx_chunk, x.shape[0], x.shape[1], ctx.group, ctx.chunks, meanwhile=weight_grads)
+        dw = [sum_copies(g, c, ctx.group) if c else g for g, c in zip(dw, ctx.copies, strict=True)]
+        return (dx.to(ctx.x_dtype), None, None, None, *(g.to(w.dtype) for g, w in zip(dw, weights, strict=True)))
 
 
 class _LinearScatter(torch.autograd.Function):
@@ -166,13 +210,13 @@ class _ScatterSum(torch.autograd.Function):
     """Sum over ranks, keep this rank's part of the sequence; backward: all-gather it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return scatter_seq(x, None, group, 1)
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, chunks: int = 1) -> torch.Tensor:
+        ctx.group, ctx.chunks = group, chunks
+        return scatter_seq(x, None, group, chunks)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return gather_seq(dy.contiguous(), None, ctx.group, 1)[0], None
+        return gather_seq(dy.contiguous(), None, ctx.group, ctx.chunks)[0], None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -189,7 +233,41 @@ class ColumnParallelLinear(nn.Module):
         self.copies = split.copies(dist.get_rank(group), dist.get_world_size(group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _GatherLinear.apply(x, self.weight, self.group, self.chunks, self.copies)
+        return _GatherLinear.apply(x, self.group, self.chunks, (self.copies,), self.weight)[0]
+
+
+class SharedInputSlot(nn.Module):
+    """A column-parallel weight (out/tp, in) of the fused parallel block (qkv or mlp.fc) whose
+    GEMM `SharedGather` already ran: forward passes that output on. It keeps the weight under
+    its usual name and tp split, so checkpoints are those of the unfused block."""
+
+    def __init__(self, weight: torch.Tensor, split: TpSplit, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.split = split
+        # rows this rank holds a copy of (kv heads fewer than tp): their gradients are summed
+        self.copies = split.copies(dist.get_rank(group), dist.get_world_size(group))
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+class SharedGather(nn.Module):
+    """x (b, s/tp, in) -> one (b, s, out_i/tp) per slot, behind ONE all-gather of x (MegaScale
+    sec. 3.1: the parallel block's attention and MLP read one input). Collective over `group`
+    in forward and backward. The slots' weights are its own parameters too (their first names,
+    attn.qkv.weight and mlp.fc.weight, stay theirs), so ZeRO waits for them before this runs."""
+
+    def __init__(self, slots: list[SharedInputSlot], group: dist.ProcessGroup, chunks: int = 1) -> None:
+        super().__init__()
+        for i, slot in enumerate(slots):
+            self.register_parameter(f"weight_{i}", slot.weight)
+        self.n, self.group, self.chunks = len(slots), group, chunks
+        self.copies = tuple(slot.copies for slot in slots)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        weights = [getattr(self, f"weight_{i}") for i in range(self.n)]
+        return _GatherLinear.apply(x, self.group, self.chunks, self.copies, *weights)
 
 
 class RowParallelLinear(nn.Module):
@@ -205,6 +283,27 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearScatter.apply(x, self.weight, self.group, self.chunks)
+
+
+class PartialRowLinear(nn.Module):
+    """x (b, s, in/tp) -> this rank's partial sum (b, s, out) of x @ W^T, not yet reduced: the
+    fused parallel block adds attention's and the MLP's and reduce-scatters them once
+    (`scatter_sum`). No collective."""
+
+    split = COLUMNS
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)  # (out, in/tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def scatter_sum(x: torch.Tensor, group: dist.ProcessGroup, chunks: int = 1) -> torch.Tensor:
+    """Partial sums (b, s, ...) -> this rank's (b, s/tp, ...) of their sum over `group`; backward
+    all-gathers. Collective over `group` in forward and backward."""
+    return _ScatterSum.apply(x, group, chunks)
 
 
 class VocabParallelEmbedding(nn.Module):

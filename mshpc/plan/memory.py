@@ -1,22 +1,26 @@
 """Memory per GPU of a layout: weights, gradients, ZeRO-sharded optimizer state, activations.
 
-Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models"), sec. 4: per layer and micro-batch, with tensor and sequence parallelism,
-sbh(34/t + 5as/(ht)) bytes of 16-bit activations for a serial block with dropout (eq. 2 and
-Table 2), where 34 sbh = attention 11 (qkv input 2, q and k 4, v 2, projection input 2, dropout
-mask 1) + MLP 19 (fc input 2, GeLU input 8, GeLU output 8, dropout mask 1) + two norms 4, and
-5as^2b the attention scores, their dropout mask and output. The planner counts mshpc's block:
-MLP width r*h instead of 4h, one norm and one shared input in the parallel block, no dropout
-masks when model.dropout is 0, and no score matrix where attention runs fused (SDPA's flash
-kernels keep O(s) statistics only). Selective recomputation drops the score terms (sec. 4.2);
-full recomputation keeps each layer's input, 2sbh/t, plus one layer's activations while it is
-recomputed. In the pipeline, stage i of p holds min(m, p - i) micro-batches under 1F1B, and
-2(p - i - 1) + (v - 1)p + 1 model chunks under the interleaved schedule (Megatron-LM's warm-up
-counts), so the first stage holds L(1 + (p - 1)/(pv)) layers' worth (Korthikanti sec. 4.2.3).
+Activations are what mshpc's blocks save for backward, term by term (`layer_activation_terms`),
+each term measured (plan/saved_activations.py; tests/unit/plan and tests/dist/plan hold the
+formula to the measured bytes within 5% at tp 1, 2, 4, every recomputation mode, with document
+masks and sliding windows). They follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models") sec. 4, whose serial block with dropout keeps
+sbh(34/t + 5as/(ht)) bytes of 16-bit activations per layer (eq. 2, `korthikanti_layer_bytes`),
+with mshpc's differences: the residual stream (each norm's input) is fp32 under bf16 autocast;
+v is a view that keeps the whole qkv output; the MLP is r*h wide (2 * ffn into SwiGLU), k and v
+have n_kv_head heads; the parallel block has one norm and one shared input; no dropout masks
+when model.dropout is 0; no score matrix where attention runs fused (SDPA's flash kernels keep
+a logsumexp per head and token), but SDPA's additive copy of a document or window mask. Selective
+recomputation drops what the attention core makes (sec. 4.2); full recomputation keeps each
+layer's input plus one layer's activations while it is recomputed. In the pipeline, stage i of p
+holds min(m, p - i) micro-batches under 1F1B, all m under GPipe, and 2(p - i - 1) + (v - 1)p + 1
+model chunks under the interleaved schedule (Megatron-LM's warm-up counts), so the first stage
+holds L(1 + (p - 1)/(pv)) layers' worth (Korthikanti sec. 4.2.3).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mshpc.config import ModelConfig
@@ -74,45 +78,97 @@ def stage_params(m: ModelConfig, layout: Layout, stage: int) -> float:
     return n
 
 
-def layer_activation_bytes(m: ModelConfig, layout: Layout, flash: bool = True) -> float:
-    """Bytes of bf16 activations one block stores for one micro-batch on one tp rank
-    (sequence-parallel), as the module docstring counts them (Korthikanti et al. 2022 eq. 2)."""
-    s, b, h, a, t, r = m.seq_len, layout.micro_batch, m.d_model, m.n_head, layout.tp, m.mlp_ratio
-    mask = 1 if m.dropout > 0 else 0
-    attention = 10 + mask
-    mlp = 2 + 4 * r + mask
-    norms = 2 if m.parallel_block else 4
-    shared_input = 2 if m.parallel_block else 0  # attention and MLP read one normed tensor
-    per_sbh = attention + mlp + norms - shared_input
-    scores = 0 if flash or layout.checkpointing != "none" else 5 * a * s * s * b
-    return (per_sbh * s * b * h + scores) / t
+RESIDUAL_BYTES = 4  # the residual stream has the weights' dtype (fp32) under bf16 autocast too
+STAT_BYTES = 4  # per-token fp32 statistics: a norm's rstd, attention's logsumexp per head
+ACT_BYTES = 2  # bf16 autocast (the GPU's dtype: "auto")
 
 
-def in_flight_layers(m: ModelConfig, layout: Layout, stage: int) -> float:
-    """Layers' worth of micro-batch activations pipeline `stage` holds at its peak."""
+def korthikanti_layer_bytes(m: ModelConfig, layout: Layout) -> float:
+    """Korthikanti et al. 2022 eq. 2 with sequence parallelism, the paper's serial block:
+    sbh (34/t + 5as/(ht)) bytes, scores dropped by selective recomputation (sec. 4.2)."""
+    s, b, h, a, t = m.seq_len, layout.micro_batch, m.d_model, m.n_head, layout.tp
+    scores = 5 * a * s * s * b if layout.checkpointing == "none" else 0
+    return (34 * s * b * h + scores) / t
+
+
+def layer_activation_terms(m: ModelConfig, layout: Layout, flash: bool = True, documents: bool = False,
+                           window_kernel: bool = True, act_bytes: int = ACT_BYTES) -> dict[str, float]:
+    """What one block saves for backward per micro-batch on one tp rank, in bytes, by what each
+    term holds (measured: plan/saved_activations.py). Under sequence parallelism every term but
+    the attention masks is a 1/tp share. `flash`: fused attention (no s x s scores);
+    `documents`: packed documents (a document mask); `window_kernel`: FlashAttention's own
+    sliding window (CUDA) rather than SDPA with a mask; `act_bytes`: 2 under bf16 autocast."""
+    s, b, h, a, t = m.seq_len, layout.micro_batch, m.d_model, m.n_head, layout.tp
+    tokens, e, hd = s * b / t, act_bytes, h // m.n_head
+    norms = 1 if m.parallel_block else 2
+    fc_out = (2 if m.mlp == "swiglu" else 1) * m.ffn_width  # [gate | up] for SwiGLU
+    terms = {
+        "norm_inputs": norms * RESIDUAL_BYTES * h,  # the residual stream, fp32
+        "norm_rstd": norms * STAT_BYTES,
+        # the column-parallel GEMMs' input, kept as the 1/tp sequence shard (parallel: one, shared)
+        "gemm_input_shards": norms * e * h,
+        "rotated_q_k": e * (a + m.kv_heads) * hd,
+        "qkv_output": e * (a + 2 * m.kv_heads) * hd,  # all of it: v is a view that pins it
+        "attention_output": e * h,  # the projection's input
+        "attention_logsumexp": STAT_BYTES * a,
+        "fc_output": e * fc_out,  # the activation's input
+        "activation_output": e * m.ffn_width,  # the second linear's input
+        "dropout_masks": 2 if m.dropout > 0 else 0,  # attention and MLP outputs, one byte each
+    }
+    out = {name: per_token * tokens for name, per_token in terms.items()}
+    masked = documents or (m.sliding_window is not None and m.sliding_window < s and not window_kernel)
+    if layout.checkpointing == "none":
+        # SDPA keeps its boolean mask as an additive copy in q's dtype per layer, whole on every tp rank
+        out["attention_mask"] = e * s * s * (b if documents else 1) if masked else 0
+        out["attention_scores"] = 0 if flash else 5 * a * s * s * b / t  # scores, softmax, dropout mask
+    else:  # the attention core is recomputed: its statistics and masks are made again
+        out["attention_logsumexp"] = 0
+    return out
+
+
+def layer_activation_bytes(m: ModelConfig, layout: Layout, flash: bool = True, documents: bool = False,
+                           window_kernel: bool = True, act_bytes: int = ACT_BYTES) -> float:
+    """Bytes one block saves for one micro-batch on one tp rank: the sum of
+    `layer_activation_terms` (the same arguments)."""
+    return sum(layer_activation_terms(m, layout, flash, documents, window_kernel, act_bytes).values())
+
+
+def layer_input_bytes(m: ModelConfig, layout: Layout) -> float:
+    """What full recomputation keeps of a layer: its input, the residual stream's 1/tp shard."""
+    return RESIDUAL_BYTES * m.seq_len * layout.micro_batch * m.d_model / layout.tp
+
+
+def in_flight_layers(m: ModelConfig, layout: Layout, stage: int, schedule: str = "1f1b") -> float:
+    """Layers' worth of micro-batch activations pipeline `stage` holds at its peak: all m
+    micro-batches under GPipe (every forward before any backward), min(m, p - stage) under 1F1B,
+    Megatron's warm-up count of model chunks interleaved."""
     p, v = layout.pp, layout.virtual_stages
+    if schedule == "gpipe" or p == 1:
+        return layout.n_micro * m.n_layer / p if p > 1 else m.n_layer
     if v == 1:
         return min(layout.n_micro, p - stage) * m.n_layer / p
     chunks = min(layout.n_micro * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
     return chunks * m.n_layer / (p * v)
 
 
-def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, flash: bool = True) -> float:
+def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, flash: bool = True,
+                           schedule: str = "1f1b") -> float:
     s, b, h, t = m.seq_len, layout.micro_batch, m.d_model, layout.tp
     per_layer = layer_activation_bytes(m, layout, flash)
-    layers = in_flight_layers(m, layout, stage)
+    layers = in_flight_layers(m, layout, stage, schedule)
     if layout.checkpointing == "full":
         # each layer keeps its input; the one being recomputed holds all of its activations
-        acts = layers * 2 * s * b * h / t + per_layer
+        acts = layers * layer_input_bytes(m, layout) + layer_activation_bytes(
+            m, dataclasses.replace(layout, checkpointing="none"), flash)
     else:
         acts = layers * per_layer
     if stage == layout.pp - 1:
         # final norm input and the logits: bf16 out of the lm head, fp32 log-softmax for the loss
-        acts += (2 * s * b * h + 6 * s * b * m.vocab_size) / t
+        acts += (RESIDUAL_BYTES * s * b * h + 6 * s * b * m.vocab_size) / t
     return acts
 
 
-def memory(m: ModelConfig, layout: Layout, flash: bool = True) -> Memory:
+def memory(m: ModelConfig, layout: Layout, flash: bool = True, schedule: str = "1f1b") -> Memory:
     """Memory of the fullest stage (the first or the last) for `layout`."""
     best = None
     for stage in sorted({0, layout.pp - 1}):
@@ -120,7 +176,7 @@ def memory(m: ModelConfig, layout: Layout, flash: bool = True) -> Memory:
         candidate = Memory(
             weights=params * WEIGHT_BYTES, grads=params * GRAD_BYTES,
             optimizer=params * SHARDED_STATE_BYTES / layout.dp,
-            activations=stage_activation_bytes(m, layout, stage, flash), stage=stage,
+            activations=stage_activation_bytes(m, layout, stage, flash, schedule), stage=stage,
         )
         if best is None or candidate.total > best.total:
             best = candidate

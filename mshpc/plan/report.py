@@ -32,7 +32,7 @@ class Prediction:
 
 
 def predict(cfg: Config, layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> Prediction:
-    mem = memory(cfg.model, layout)
+    mem = memory(cfg.model, layout, schedule=cfg.parallel.pp_schedule)
     return Prediction(layout, mem, step_time(cfg, layout, dev, gpus_per_node), mem.total <= dev.memory_gib * GIB)
 
 
@@ -67,7 +67,7 @@ def format_json(predictions: list[Prediction]) -> str:
 def fit_warning(cfg: Config, device_memory_bytes: int, device_name: str) -> str | None:
     """A one-line warning when the config's own layout will not fit on its device, else None.
     Activations are counted in bf16, the GPU default (train.dtype: auto)."""
-    mem = memory(cfg.model, layout_of(cfg))
+    mem = memory(cfg.model, layout_of(cfg), schedule=cfg.parallel.pp_schedule)
     if mem.total <= device_memory_bytes:
         return None
     return (f"this layout needs about {mem.total / GIB:.1f} GiB per GPU on pipeline stage {mem.stage} "

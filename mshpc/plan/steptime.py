@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from mshpc.config import Config, ModelConfig
 from mshpc.diagnose.mfu import attention_context, flops_per_token
+from mshpc.parallel.parallel_block import fusable
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout
 from mshpc.plan.memory import GRAD_BYTES, WEIGHT_BYTES, stage_params
@@ -85,14 +86,23 @@ def stage_compute_s(cfg: Config, layout: Layout, dev: DeviceSpec) -> float:
     return layout.micro_batch * m.seq_len * per_token / layout.tp / (dev.peak_tflops * 1e12 * dev.gemm_efficiency)
 
 
+def tp_collectives_per_layer(m: ModelConfig, checkpointing: str, fused_block: bool = True) -> int:
+    """Sequence-parallel collectives of (b, s, h) one layer issues per micro-batch, as the engine
+    does (parallel/tensor.py; tests/dist/plan counts them from the flight recorder). Serial block
+    (Megatron): forward 2 all-gathers + 2 reduce-scatters; backward 2 all-gathers of the saved
+    input shards again, 2 of the output gradients and 2 reduce-scatters of the input gradients.
+    Fused parallel block (parallel/parallel_block.py): half of each. Full recomputation repeats
+    the forward's."""
+    forward = 2 if fusable(m.parallel_block, m.dropout, fused_block)[0] else 4
+    backward = 3 * forward // 2
+    return forward * (2 if checkpointing == "full" else 1) + backward
+
+
 def tp_exposed_s(cfg: Config, layout: Layout, dev: DeviceSpec, compute_s: float) -> float:
-    """Sequence-parallel all-gathers and reduce-scatters of one micro-batch on one stage: per
-    layer and direction, one all-gather before each column-parallel GEMM (qkv, fc) and one
-    reduce-scatter after each row-parallel GEMM (attention and MLP projections), in the serial
-    and the parallel block alike (mshpc gathers the parallel block's shared input twice);
-    full recomputation repeats the forward's."""
+    """Sequence-parallel all-gathers and reduce-scatters of one micro-batch on one stage
+    (`tp_collectives_per_layer` per layer), minus what the chunked overlap hides."""
     m, t = cfg.model, layout.tp
-    per_layer = 4 * (3 if layout.checkpointing == "full" else 2)
+    per_layer = tp_collectives_per_layer(m, layout.checkpointing, cfg.parallel.tp_fused_block)
     nbytes = layout.micro_batch * m.seq_len * m.d_model * dev.act_bytes
     comm = m.n_layer / layout.pp * per_layer * _collective_s(nbytes, t, (t - 1) / t, dev.intra_gbps)
     if not cfg.parallel.tp_overlap:

@@ -43,6 +43,8 @@ CASES = {  # name: (overlap, grad_accum, optimizer, activation checkpointing, mo
     # grouped-query: at tp=2, 2 kv heads are split over the ranks; 1 (multi-query) is replicated
     "gqa-kv2": (True, 1, "adamw", "none", {"n_kv_head": 2}),
     "mqa-kv1-selective": (True, 1, "adamw", "selective", {"n_kv_head": 1}),
+    # the fused parallel block's shared gather with a copied kv head: its gradient summed too
+    "mqa-parallel-block-fused": (True, 1, "adamw", "none", {"n_kv_head": 1, "parallel_block": True}),
 }
 
 

@@ -4,18 +4,24 @@ embeddings, no dropout."""
 
 import dataclasses
 
+import pytest
 
 from mshpc.config import load_config
 from mshpc.model.gpt import GPT
 from mshpc.plan.layout import Layout
 from mshpc.plan.memory import (
-    in_flight_layers, layer_activation_bytes, layer_params, memory, stage_activation_bytes, stage_params,
+    in_flight_layers, korthikanti_layer_bytes, layer_activation_bytes, layer_activation_terms, layer_params, memory,
+    stage_activation_bytes, stage_params,
 )
 from support.cli_runner import REPO
 
 CFG = load_config(REPO / "configs/gpt-175b.yaml")
 M = CFG.model
 SBH = 2048 * 1 * 12288  # s * b * h = 25,165,824
+# mshpc's parallel block per token and tp rank, bf16 autocast, in bytes: fp32 norm input 4h and
+# rstd 4, the shared input's bf16 shard 2h, rotated q and k 4h, the qkv output 6h (v pins it),
+# attention output 2h and logsumexp 4a, fc output 8h, GeLU output 8h: 34h + 4 + 4a
+LAYER = (34 * 12288 + 4 + 4 * 96) * 2048 / 8  # 2048 tokens of one micro-batch on 1/8 of them
 
 
 def layout(**kw):
@@ -63,7 +69,7 @@ def test_weights_grads_and_zero_sharded_state_175b():
     # the last stage's 12 plus logits
     params = 12 * 226_504_704 + 98_304_000
     assert mem.stage == 0
-    assert mem.activations == 96 * SBH * 28 / 8
+    assert mem.activations == 96 * LAYER
     assert mem.weights == 4 * params and mem.grads == 4 * params
     assert mem.optimizer == 12 * params / 4  # fp32 master + two moments over dp = 4
 
@@ -71,16 +77,35 @@ def test_weights_grads_and_zero_sharded_state_175b():
 def test_korthikanti_equation_2_for_the_gpt3_block():
     # Korthikanti et al. 2022 eq. 2 with t = 8, serial block with dropout, scores stored:
     # sbh (34/t + 5as/(ht)) = 25,165,824 * (4.25 + 5 * 96 * 2048 / 98,304) = 25,165,824 * 14.25
-    serial = dataclasses.replace(M, parallel_block=False, dropout=0.1)
-    assert layer_activation_bytes(serial, layout(), flash=False) == 358_612_992
+    assert korthikanti_layer_bytes(M, layout()) == 358_612_992
     # selective recomputation drops the 5as^2b score terms: sbh * 34 / t
-    assert layer_activation_bytes(serial, layout(checkpointing="selective"), flash=False) == SBH * 34 / 8
+    assert korthikanti_layer_bytes(M, layout(checkpointing="selective")) == SBH * 34 / 8
 
 
 def test_mshpc_parallel_block_activations():
-    # no dropout masks (-2), one norm (-2), one shared normed input (-2): 28 sbh / t; SDPA's
-    # fused attention stores no s x s scores
-    assert layer_activation_bytes(M, layout()) == SBH * 28 / 8 == 88_080_384
+    # SDPA's fused attention stores no s x s scores; no dropout, so no masks
+    terms = layer_activation_terms(M, layout())
+    assert terms["qkv_output"] == 6 * SBH / 8 and terms["norm_inputs"] == 4 * SBH / 8
+    assert terms["attention_scores"] == terms["dropout_masks"] == terms["attention_mask"] == 0
+    assert layer_activation_bytes(M, layout()) == sum(terms.values()) == LAYER
+
+
+def test_serial_block_with_dropout_and_stored_scores():
+    serial = dataclasses.replace(M, parallel_block=False, dropout=0.1)
+    # a second norm (4h + 4) and a second GEMM input shard (2h), two 1-byte dropout masks, and
+    # the 5as^2b scores of unfused attention
+    want = LAYER + (6 * 12288 + 4 + 2) * 2048 / 8 + 5 * 96 * 2048 * 2048 / 8
+    assert layer_activation_bytes(serial, layout(), flash=False) == want
+
+
+def test_gqa_and_swiglu_terms_follow_their_definitions():
+    m = dataclasses.replace(M, n_kv_head=8, mlp="swiglu", ffn_dim=32768)
+    terms = layer_activation_terms(m, layout(tp=1))
+    hd = 12288 // 96
+    assert terms["qkv_output"] == 2 * (96 + 16) * hd * 2048  # smaller k and v
+    assert terms["rotated_q_k"] == 2 * (96 + 8) * hd * 2048
+    assert terms["fc_output"] == 2 * 2 * 32768 * 2048  # [gate | up]
+    assert terms["activation_output"] == 2 * 32768 * 2048
 
 
 def test_pipeline_in_flight_activations():
@@ -89,17 +114,20 @@ def test_pipeline_in_flight_activations():
     assert in_flight_layers(M, layout(), 7) == 12
     # fewer micro-batches than stages: only those are in flight
     assert in_flight_layers(M, layout(n_micro=2), 0) == 24
+    # GPipe: every micro-batch's forward before any backward, on every stage
+    assert in_flight_layers(M, layout(), 0, "gpipe") == 192 * 12
     # interleaved, v = 2: 2(p-1) + (v-1)p + 1 = 23 chunks of 6 layers = L (1 + (p-1)/(pv)) = 138
     assert in_flight_layers(M, layout(virtual_stages=2), 0) == 96 * (1 + 7 / 16) == 138
 
 
 def test_full_recomputation_keeps_layer_inputs():
     full = layout(checkpointing="full")
-    # stage 0: 96 layers' worth of inputs (2 sbh / t each) plus the one layer being recomputed
-    assert stage_activation_bytes(M, full, 0) == 96 * 2 * SBH / 8 + SBH * 28 / 8
-    # stage 7: 12 layers' inputs, one layer, and the output layer: norm input 2 sbh and the
-    # logits, bf16 out of the lm head and the fp32 log-softmax: (2 sbh + 6 s b V) / t
-    assert stage_activation_bytes(M, full, 7) == (12 * 2 * SBH + SBH * 28 + 2 * SBH + 6 * 2048 * 64000) / 8
+    # stage 0: 96 layers' worth of inputs (the fp32 residual, 4 sbh / t each) plus the one layer
+    # being recomputed
+    assert stage_activation_bytes(M, full, 0) == 96 * 4 * SBH / 8 + LAYER
+    # stage 7: 12 layers' inputs, one layer, and the output layer: fp32 norm input 4 sbh and the
+    # logits, bf16 out of the lm head and the fp32 log-softmax: (4 sbh + 6 s b V) / t
+    assert stage_activation_bytes(M, full, 7) == (12 * 4 * SBH + 4 * SBH + 6 * 2048 * 64000) / 8 + LAYER
 
 
 def test_parameter_count_matches_the_model():
@@ -116,3 +144,12 @@ def test_parameter_count_matches_the_model():
     # SwiGLU's three matrices of model.ffn_dim
     swiglu = load_config(REPO / "configs/tiny.yaml", ["model.mlp=swiglu", "model.ffn_dim=344"]).model
     assert stage_params(swiglu, one, 0) == GPT(swiglu).num_params()
+
+
+def test_the_old_3072_gpu_layout_no_longer_fits_in_80_gib():
+    # README's 175B table used to pick (dp 96, tp 8, pp 4, v 24, mb 4) at 6,144 sequences; with
+    # the measured activations its first stage needs 83.4 GiB, and the plan's pick now fits
+    old = Layout(dp=96, tp=8, pp=4, virtual_stages=24, micro_batch=4, n_micro=16, checkpointing="none")
+    new = Layout(dp=64, tp=8, pp=6, virtual_stages=16, micro_batch=4, n_micro=24, checkpointing="none")
+    assert memory(M, old).total / 2**30 == pytest.approx(83.4, abs=0.05)
+    assert memory(M, new).total / 2**30 == pytest.approx(70.7, abs=0.05)

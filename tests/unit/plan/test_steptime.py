@@ -63,14 +63,19 @@ def test_sequence_parallel_traffic_and_its_overlap():
     dev = device_spec("h100", intra_gbps=100.0)
     lay = layout(pp=8, tp=8)
     no_overlap = dataclasses.replace(CFG, parallel=dataclasses.replace(CFG.parallel, tp_overlap=False))
-    # per layer, forward and backward: 2 all-gathers + 2 reduce-scatters each way, of
-    # s*b*h bf16 = 50,331,648 bytes at (t-1)/t over 100 GB/s; 12 layers on a stage
+    # the fused parallel block per layer: forward 1 all-gather + 1 reduce-scatter; backward the
+    # input shard gathered again, the output gradient gathered, the input gradient
+    # reduce-scattered: 5 collectives of s*b*h bf16 = 50,331,648 bytes at (t-1)/t over
+    # 100 GB/s; 12 layers on a stage
     one = 2048 * 12288 * 2 * 7 / 8 / 100e9
-    assert tp_exposed_s(no_overlap, lay, dev, compute_s=0.0) == pytest.approx(12 * 8 * one)
-    full = dataclasses.replace(lay, checkpointing="full")  # recomputation repeats the forward's 4
-    assert tp_exposed_s(no_overlap, full, dev, compute_s=0.0) == pytest.approx(12 * 12 * one)
+    assert tp_exposed_s(no_overlap, lay, dev, compute_s=0.0) == pytest.approx(12 * 5 * one)
+    full = dataclasses.replace(lay, checkpointing="full")  # recomputation repeats the forward's 2
+    assert tp_exposed_s(no_overlap, full, dev, compute_s=0.0) == pytest.approx(12 * 7 * one)
+    # the serial block (Megatron's): 4 forward, 6 backward
+    serial = dataclasses.replace(no_overlap, model=dataclasses.replace(CFG.model, parallel_block=False))
+    assert tp_exposed_s(serial, lay, dev, compute_s=0.0) == pytest.approx(12 * 10 * one)
     # overlapped in 2 chunks (the default) behind long GEMMs: only the first chunk shows
     assert CFG.parallel.tp_overlap and CFG.parallel.tp_overlap_chunks == 2
-    assert tp_exposed_s(CFG, lay, dev, compute_s=1.0) == pytest.approx(12 * 8 * one / 2)
+    assert tp_exposed_s(CFG, lay, dev, compute_s=1.0) == pytest.approx(12 * 5 * one / 2)
     # behind short ones, all that the GEMMs cannot cover
-    assert tp_exposed_s(CFG, lay, dev, compute_s=0.01) == pytest.approx(12 * 8 * one - 0.01)
+    assert tp_exposed_s(CFG, lay, dev, compute_s=0.01) == pytest.approx(12 * 5 * one - 0.01)
