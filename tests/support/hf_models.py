@@ -1,0 +1,41 @@
+"""Shared by the Hugging Face export/import tests: tiny mshpc models of each exportable kind, and
+the logits of an mshpc model and of a transformers model on the same tokens."""
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from mshpc.config import ModelConfig
+
+# max |a - b| / max |b| over all logits: fp32 on both sides, same math in another order
+MAX_RELATIVE_DIFF = 1e-5
+
+TINY = dict(vocab_size=97, seq_len=32, n_layer=2, n_head=4, d_model=32, fused_kernels="off")
+NEOX_SERIAL = ModelConfig(**TINY, norm="layernorm", mlp="gelu", parallel_block=False, tie_embeddings=False)
+NEOX_PARALLEL = ModelConfig(**TINY, norm="layernorm", mlp="gelu", parallel_block=True)
+
+
+def tokens(m: ModelConfig, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: Path, idx: torch.Tensor) -> torch.Tensor:
+    """Logits of the transformers model `from_pretrained(hf_dir)` loads (the class its config.json names)."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(idx).logits.float()
+
+
+def mshpc_logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(idx).float()
+
+
+def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a - b).abs().max() / b.abs().max())
