@@ -47,6 +47,14 @@ MSHPC_TWINS(mshpc_bias_gelu_fwd, const void* x, const void* bias, void* y, int d
 MSHPC_TWINS(mshpc_bias_gelu_bwd, const void* dy, const void* x, const void* bias, void* dx,
             void* dbias_parts, int dtype, int64_t parts, int64_t rows, int64_t cols, void* stream)
 
+/* SwiGLU's gate: y = silu(gate) * up, for x (rows, 2 * cols) holding [gate | up] in each row and
+ * y (rows, cols). */
+MSHPC_TWINS(mshpc_swiglu_fwd, const void* x, void* y, int dtype, int64_t rows, int64_t cols, void* stream)
+
+/* dx (rows, 2 * cols) = [dy * up * silu'(gate) | dy * silu(gate)] for dy (rows, cols). */
+MSHPC_TWINS(mshpc_swiglu_bwd, const void* dy, const void* x, void* dx, int dtype, int64_t rows,
+            int64_t cols, void* stream)
+
 /* Rotary embedding in the rotate-half pairing: for x (b, s, h, hd) with the given strides of
  * its first three dims (the last is contiguous), y (contiguous, same shape) rotates each pair
  * (x[i], x[i + hd/2]) at position p by the angle with cos/sin[p, i] ((s, hd/2) acc).

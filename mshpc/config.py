@@ -447,6 +447,10 @@ def _check_model(m: ModelConfig) -> None:
         )
     if m.sliding_window is not None and m.sliding_window < 1:
         raise ConfigError(f"model.sliding_window={m.sliding_window} must be >= 1 or null (off)")
+    if m.mlp == "swiglu" and m.mlp_bias:
+        # Llama's gate, up and down projections have no biases, and the fused gate adds none
+        raise ConfigError("model.mlp_bias=true is not available with model.mlp=swiglu (choose "
+                          "model.mlp_bias=false, or model.mlp=gelu)")
     if m.n_head % m.kv_heads:
         raise ConfigError(
             f"model.n_kv_head={m.n_kv_head} does not divide model.n_head={m.n_head} "

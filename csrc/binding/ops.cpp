@@ -173,6 +173,42 @@ std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& dy_in, c
   return {dx, dbias};
 }
 
+// ---------------------------------------------------------------- SwiGLU gate
+
+// The gate's width: half of x's last dim, which holds [gate | up].
+int64_t swiglu_cols(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "mshpc::", op, ": x's last dim must be even ([gate | up]), got ",
+              x.dim() == 0 ? 0 : x.size(-1));
+  return x.size(-1) / 2;
+}
+
+at::Tensor swiglu(const at::Tensor& x_in) {
+  at::Tensor x = x_in.contiguous();
+  const int64_t cols = swiglu_cols(x, "swiglu");
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = cols;
+  at::Tensor y = at::empty(shape, x.options());
+  OnDevice on(x);
+  check(MSHPC_PICK(x, mshpc_swiglu_fwd)(x.data_ptr(), y.data_ptr(), dtype_code(x.scalar_type(), "swiglu"),
+                                        cols == 0 ? 0 : y.numel() / cols, cols, on.stream),
+        "swiglu");
+  return y;
+}
+
+at::Tensor swiglu_backward(const at::Tensor& dy_in, const at::Tensor& x_in) {
+  at::Tensor x = x_in.contiguous();
+  const int64_t cols = swiglu_cols(x, "swiglu_backward");
+  TORCH_CHECK(dy_in.numel() * 2 == x.numel(), "mshpc::swiglu_backward: dy must have half of x's elements");
+  at::Tensor dy = as(dy_in, x.scalar_type());
+  at::Tensor dx = at::empty_like(x);
+  OnDevice on(x);
+  check(MSHPC_PICK(x, mshpc_swiglu_bwd)(dy.data_ptr(), x.data_ptr(), dx.data_ptr(),
+                                        dtype_code(x.scalar_type(), "swiglu_backward"),
+                                        cols == 0 ? 0 : dy.numel() / cols, cols, on.stream),
+        "swiglu_backward");
+  return dx;
+}
+
 // ---------------------------------------------------------------- rotary embedding
 
 at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, bool inverse) {
@@ -294,6 +330,8 @@ TORCH_LIBRARY(mshpc, m) {
         "bool rms) -> (Tensor dx, Tensor dweight, Tensor dbias)");
   m.def("bias_gelu(Tensor x, Tensor? bias) -> Tensor");
   m.def("bias_gelu_backward(Tensor dy, Tensor x, Tensor? bias) -> (Tensor dx, Tensor dbias)");
+  m.def("swiglu(Tensor x) -> Tensor");
+  m.def("swiglu_backward(Tensor dy, Tensor x) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
   m.def("multi_tensor_adamw(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, float[] lrs, float[] weight_decays, float beta1, float beta2, float eps, "
@@ -310,6 +348,8 @@ TORCH_LIBRARY(mshpc, m) {
     m.impl("add_norm_backward", &add_norm_backward);                        \
     m.impl("bias_gelu", &bias_gelu);                                        \
     m.impl("bias_gelu_backward", &bias_gelu_backward);                      \
+    m.impl("swiglu", &swiglu);                                              \
+    m.impl("swiglu_backward", &swiglu_backward);                            \
     m.impl("rope", &rope);                                                  \
     m.impl("multi_tensor_adamw", &multi_tensor_adamw);                      \
     m.impl("multi_tensor_lamb_direction", &multi_tensor_lamb_direction);    \

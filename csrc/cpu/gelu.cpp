@@ -4,31 +4,13 @@
 #include <vector>
 
 #include "dtype.h"
+#include "simd_exp.h"
 
 namespace mshpc {
 namespace {
 
 constexpr double kBeta = 0.7978845608028654;  // sqrt(2 / pi)
 constexpr double kKappa = 0.044715;
-
-// exp for the simd loops (libm's expf does not vectorise): Cody-Waite reduction by ln 2 and
-// Cephes' degree-6 polynomial for e^r on |r| <= ln2/2 (relative error ~1e-7).
-inline float simd_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // not fmin/fmax: their NaN rules block vectors
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // tanh(u) = (e^2u - 1) / (e^2u + 1); clamped where tanh is 1 to float precision. GeLU uses
 // 1 + tanh and 1 - tanh^2, so the absolute error (~1e-7) is what matters, and it is small.

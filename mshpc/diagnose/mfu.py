@@ -6,11 +6,13 @@ only the model's own FLOPs (PaLM, App. B):
 
     F / token = 72 * l * h^2 * (1 + s/(6h) + V/(12*l*h))      for an MLP of width 4h,
 
-written below term by term so that any `mlp_ratio` r works: per layer and token the forward
-GEMMs cost 2 * (3h^2 + h^2 + 2*r*h^2) and attention 4*s*h (QK^T and AV, counted over the full
-s x s matrix as Narayanan does); the logit GEMM costs 2*h*V; backward doubles each (x3 in all).
-With a sliding window W, each query meets at most W keys, so s becomes min(W, s) in the
-attention term.
+written below term by term so that any block works: per layer and token the forward GEMMs cost
+2 FLOPs per weight of the block's matrices (`block_matrix_params`: q and out d x d, k and v
+d x n_kv_head*head_dim, the MLP 2 matrices d x ffn, or 3 with SwiGLU) and attention 4*s*h (QK^T
+and AV, counted over the full s x s matrix as Narayanan does); the logit GEMM costs 2*h*V;
+backward doubles each (x3 in all). That is 6 * N + 12 * l * s * h with N the matrices' weights,
+lm head included (Kaplan et al. 2020's 6N plus attention). With a sliding window W, each query
+meets at most W keys, so s becomes min(W, s) in the attention term.
 """
 
 from __future__ import annotations
@@ -37,10 +39,20 @@ def attention_context(m: ModelConfig) -> int:
     return m.seq_len if m.sliding_window is None else min(m.sliding_window, m.seq_len)
 
 
+def block_matrix_params(m: ModelConfig) -> int:
+    """Weights of one block's matrices: q and the output projection (d x d each), k and v
+    (d x n_kv_head * head_dim each: grouped-query attention, Ainslie et al. 2023), and the MLP's
+    2 (GeLU) or 3 (SwiGLU: gate, up, down; Shazeer 2020) matrices of d x ffn_width."""
+    h = m.d_model
+    kv_width = m.kv_heads * (h // m.n_head)
+    mlp_matrices = 3 if m.mlp == "swiglu" else 2
+    return 2 * h * h + 2 * h * kv_width + mlp_matrices * h * m.ffn_width
+
+
 def flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs (forward + backward) per token; Narayanan et al. 2021 Eq. in Sec. 5.1."""
     h, s = m.d_model, attention_context(m)
-    gemm = 2 * (4 + 2 * m.mlp_ratio) * h * h
+    gemm = 2 * block_matrix_params(m)
     attention = 4 * s * h
     logits = 2 * h * m.vocab_size
     return 3.0 * (m.n_layer * (gemm + attention) + logits)

@@ -28,11 +28,13 @@ class Kernels:
     add_rms_norm: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
     add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     bias_gelu: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    swiglu: Callable[[torch.Tensor], torch.Tensor]
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-REFERENCE = Kernels(False, reference.add_rms_norm, reference.add_layer_norm, reference.bias_gelu, reference.rope)
-FUSED = Kernels(True, ops.add_rms_norm, ops.add_layer_norm, ops.bias_gelu, ops.rope)
+REFERENCE = Kernels(False, reference.add_rms_norm, reference.add_layer_norm, reference.bias_gelu, reference.swiglu,
+                    reference.rope)
+FUSED = Kernels(True, ops.add_rms_norm, ops.add_layer_norm, ops.bias_gelu, ops.swiglu, ops.rope)
 
 
 @functools.cache

@@ -41,6 +41,11 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return mshpc_ops.bias_gelu(x, bias)
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """Fused mshpc.kernels.reference.swiglu."""
+    return mshpc_ops.swiglu(x)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Fused mshpc.kernels.reference.rope; x may be strided (a slice of the qkv projection) as
     long as its last dim is contiguous; the result is contiguous."""
@@ -78,6 +83,15 @@ def _bias_gelu_backward(ctx: Any, dy: torch.Tensor) -> tuple:
     x, bias = ctx.saved_tensors
     dx, dbias = mshpc_ops.bias_gelu_backward(dy, x, bias)
     return dx, (None if bias is None else dbias)
+
+
+def _swiglu_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:
+    (x,) = ctx.saved_tensors
+    return mshpc_ops.swiglu_backward(dy, x)
 
 
 def _rope_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
@@ -119,6 +133,14 @@ def _bias_gelu_backward_fake(dy, x, bias):
     return torch.empty_like(x, memory_format=torch.contiguous_format), dbias
 
 
+def _swiglu_fake(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _swiglu_backward_fake(dy, x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _rope_fake(x, cos, sin, inverse):
     return x.new_empty(x.shape)
 
@@ -136,10 +158,13 @@ def register() -> None:
     lib.register_fake("mshpc::add_norm_backward")(_add_norm_backward_fake)
     lib.register_fake("mshpc::bias_gelu")(_bias_gelu_fake)
     lib.register_fake("mshpc::bias_gelu_backward")(_bias_gelu_backward_fake)
+    lib.register_fake("mshpc::swiglu")(_swiglu_fake)
+    lib.register_fake("mshpc::swiglu_backward")(_swiglu_backward_fake)
     lib.register_fake("mshpc::rope")(_rope_fake)
     lib.register_fake("mshpc::multi_tensor_adamw")(lambda *args: None)
     lib.register_fake("mshpc::multi_tensor_lamb_direction")(_lamb_direction_fake)
     lib.register_fake("mshpc::multi_tensor_lamb_apply")(lambda *args: None)
     lib.register_autograd("mshpc::add_norm", _add_norm_backward, setup_context=_add_norm_setup)
     lib.register_autograd("mshpc::bias_gelu", _bias_gelu_backward, setup_context=_bias_gelu_setup)
+    lib.register_autograd("mshpc::swiglu", _swiglu_backward, setup_context=_swiglu_setup)
     lib.register_autograd("mshpc::rope", _rope_backward, setup_context=_rope_setup)

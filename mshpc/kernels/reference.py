@@ -46,6 +46,13 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.gelu(v, approximate="tanh").to(x.dtype)
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x (..., 2 * ffn) holding [gate | up] in its last dim (Shazeer 2020,
+    eq. 5; Llama's MLP), in x's dtype: (..., ffn)."""
+    gate, up = x.to(compute_dtype(x.dtype)).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x[..., i], x[..., i + hd/2]) of x (b, s, n_head, hd) by its position's
     angle (RoFormer eq. 34, GPT-NeoX's rotate-half pairing); cos and sin are (>= s, hd/2)."""

@@ -58,20 +58,26 @@ def build_norm(cfg: ModelConfig) -> RMSNorm | LayerNorm:
 
 
 class MLP(nn.Module):
-    """d -> mlp_ratio*d -> d feed-forward with GeLU in GPT-2's tanh approximation; biases only
-    with model.mlp_bias. The first bias is a parameter of its own, added inside the GeLU kernel
-    (Megatron's skip_bias_add with its bias-GeLU fusion), so that fc stays a plain GEMM."""
+    """d -> ffn -> d feed-forward, ffn = model.ffn_width. gelu: GeLU in GPT-2's tanh
+    approximation; biases only with model.mlp_bias, the first a parameter of its own added inside
+    the GeLU kernel (Megatron's skip_bias_add with its bias-GeLU fusion), so that fc stays a plain
+    GEMM. swiglu (Shazeer 2020; Llama): fc holds the gate and up rows [gate; up] as one GEMM of
+    2 * ffn outputs, the fused gate computes silu(gate) * up, and proj is the down projection."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.kernels = select_kernels(cfg.fused_kernels)
-        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model, bias=False)
-        self.fc_bias = nn.Parameter(torch.zeros(cfg.mlp_ratio * cfg.d_model)) if cfg.mlp_bias else None
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model, bias=cfg.mlp_bias)
+        self.gated = cfg.mlp == "swiglu"
+        ffn = cfg.ffn_width
+        self.fc = nn.Linear(cfg.d_model, (2 if self.gated else 1) * ffn, bias=False)
+        self.fc_bias = nn.Parameter(torch.zeros(ffn)) if cfg.mlp_bias else None
+        self.proj = nn.Linear(ffn, cfg.d_model, bias=cfg.mlp_bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(self.kernels.bias_gelu(self.fc(x), self.fc_bias)))
+        h = self.fc(x)  # (b, s, 2 * ffn) [gate | up] for swiglu, else (b, s, ffn)
+        h = self.kernels.swiglu(h) if self.gated else self.kernels.bias_gelu(h, self.fc_bias)
+        return self.dropout(self.proj(h))
 
 
 class Block(nn.Module):

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mshpc.config import ModelConfig
+from mshpc.diagnose.mfu import block_matrix_params
 from mshpc.plan.layout import Layout
 
 GIB = 2**30
@@ -49,10 +50,12 @@ def _norm_params(m: ModelConfig) -> int:
 
 
 def layer_params(m: ModelConfig, tp: int = 1) -> float:
-    """One block's parameters on one tp rank: qkv, projection and MLP matrices are split
-    over tp; the norms are replicated."""
-    matrices = (4 + 2 * m.mlp_ratio) * m.d_model**2
-    return matrices / tp + _norm_params(m) * (1 if m.parallel_block else 2)
+    """One block's parameters on one tp rank: the matrices (mfu.block_matrix_params) are split
+    over tp, except that with fewer kv heads than tp ranks each rank keeps one whole kv head
+    (Megatron's replication of grouped-query kv heads); the norms are replicated."""
+    kv = 2 * m.d_model * m.kv_heads * (m.d_model // m.n_head)  # k and v
+    kv_per_rank = kv / min(tp, m.kv_heads)
+    return (block_matrix_params(m) - kv) / tp + kv_per_rank + _norm_params(m) * (1 if m.parallel_block else 2)
 
 
 def stage_params(m: ModelConfig, layout: Layout, stage: int) -> float:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from support.kernel_cases import (NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm, check_norm,
-                          check_rope, grads_of, norm_args, rand)
+                          check_rope, check_swiglu, grads_of, norm_args, rand, swiglu_args)
 from mshpc.config import ModelConfig
 from mshpc.kernels import build, ops
 from mshpc.kernels.ops import mshpc_ops
@@ -55,6 +55,21 @@ def test_bias_gelu(bias, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope(dtype):
     check_rope(dtype, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu(dtype):
+    check_swiglu(dtype, device="cuda")
+
+
+def test_swiglu_cuda_matches_cpu_twin():
+    """Thousands of thread blocks and a gate width (1400) that the block size does not divide,
+    so rows start mid-block: the CUDA kernel equals its CPU twin."""
+    x_cpu = swiglu_args(torch.float32, grad=True, shape=(3000, 2 * 1400))
+    x_gpu = x_cpu.detach().cuda().requires_grad_(True)
+    torch.testing.assert_close(ops.swiglu(x_gpu).cpu(), ops.swiglu(x_cpu), **TOL[torch.float32])
+    torch.testing.assert_close(grads_of(ops.swiglu, (x_gpu,))[0].cpu(), grads_of(ops.swiglu, (x_cpu,))[0],
+                               **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("kind", list(NORMS))

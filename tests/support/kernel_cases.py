@@ -49,6 +49,13 @@ def gelu_args(dtype: torch.dtype, bias: bool, grad: bool = False, shape: tuple =
     return x, b
 
 
+def swiglu_args(dtype: torch.dtype, grad: bool = False, shape: tuple = (4, 5, 2 * 36),
+                device: str = "cpu") -> torch.Tensor:
+    """fc's output [gate | up]; the gate width (36) is not a multiple of a vector length, and the
+    spread (3 sigma) reaches where sigmoid saturates."""
+    return (3 * rand(*shape, seed=11, device=device)).to(dtype).requires_grad_(grad)
+
+
 def qkv_slice(dtype: torch.dtype, grad: bool = False, shape: tuple = (2, 6, 3, 3, 16),
               device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """q and k as the model hands them to rope: a strided (b, s, 2 * nh, hd) view of qkv."""
@@ -93,6 +100,15 @@ def check_bias_gelu(bias: bool, dtype: torch.dtype, device: str = "cpu") -> None
     assert_close(ops.bias_gelu(*args), reference.bias_gelu(*args), dtype)
     for got, want in zip(grads_of(ops.bias_gelu, args), grads_of(reference.bias_gelu, args)):
         assert_close(got, want, dtype)
+
+
+def check_swiglu(dtype: torch.dtype, device: str = "cpu") -> None:
+    """Output and x's gradient; under autocast fc's output is bf16 and stays so."""
+    x = swiglu_args(dtype, grad=True, device=device)
+    y = ops.swiglu(x)
+    assert y.shape == (*x.shape[:-1], x.shape[-1] // 2)
+    assert_close(y, reference.swiglu(x), dtype)
+    assert_close(grads_of(ops.swiglu, (x,))[0], grads_of(reference.swiglu, (x,))[0], dtype)
 
 
 def check_rope(dtype: torch.dtype, device: str = "cpu") -> None:

@@ -45,6 +45,7 @@ def test_on_off_choices_survive_yaml_booleans(tmp_path):
 
 BAD = [
     (["model.mlp_bias=true", "parallel.tp=2"], "model.mlp_bias=true is not available with parallel.tp=2"),
+    (["model.mlp=swiglu", "model.mlp_bias=true"], "model.mlp_bias=true is not available with model.mlp=swiglu"),
     (["model.n_layers=4"], "unknown config key 'model.n_layers' (did you mean 'n_layer'?"),
     (["modle.n_layer=4"], "unknown config key 'modle' (did you mean 'model'?"),
     (["train.steps=ten"], "train.steps='ten' has the wrong type (expected int)"),

@@ -91,3 +91,31 @@ def test_peak_table_and_mfu():
     tokens_per_s = 0.5 * 989e12 * 8 / flops_per_token(m)
     assert mfu(tokens_per_s, m, n_devices=8, peak=989.0) == pytest.approx(0.5)
     assert mfu(tokens_per_s, m, n_devices=8, peak=None) is None
+
+
+def test_llama3_8b_by_hand():
+    # configs/llama3-8b.yaml: l=32, h=4096, 32 heads of 128, 8 kv heads (kv width 1024),
+    # SwiGLU ffn 14336, V=128256, s=8192. F / token = 6 * N + 12 * l * s * h, where N counts the
+    # weights every token multiplies by: the blocks' matrices and the lm head (not the embedding,
+    # a lookup). Per block:
+    #   q, out   2 * 4096 * 4096          =  33,554,432
+    #   k, v     2 * 4096 * 1024          =   8,388,608
+    #   MLP      3 * 4096 * 14336         = 176,160,768   (gate, up, down)
+    #   block                             = 218,103,808;  x 32 = 6,979,321,856
+    #   lm head  4096 * 128256            =   525,336,576
+    #   N = 7,504,658,432; 6 N = 45,027,950,592
+    #   attention 12 * 32 * 8192 * 4096   = 12,884,901,888 (QK^T and AV, 4 s h forward, x3)
+    #   F / token                         = 57,912,852,480
+    m = load_config(REPO / "configs/llama3-8b.yaml").model
+    assert flops_per_token(m) == 57_912_852_480
+
+
+def test_llama3_70b_by_hand():
+    # configs/llama3-70b.yaml: l=80, h=8192, 64 heads of 128, 8 kv heads (kv width 1024),
+    # SwiGLU ffn 28672, V=128256, s=8192; the formula of the 8B test. Per block:
+    #   q, out 2 * 8192^2 = 134,217,728; k, v 2 * 8192 * 1024 = 16,777,216;
+    #   MLP 3 * 8192 * 28672 = 704,643,072; block 855,638,016; x 80 = 68,451,041,280
+    #   lm head 8192 * 128256 = 1,050,673,152; N = 69,501,714,432; 6 N = 417,010,286,592
+    #   attention 12 * 80 * 8192 * 8192 = 64,424,509,440; F / token = 481,434,796,032
+    m = load_config(REPO / "configs/llama3-70b.yaml").model
+    assert flops_per_token(m) == 481_434_796_032

@@ -17,6 +17,7 @@ VARIANTS = {
     "rmsnorm-serial": {},
     "layernorm-parallel-bias": dict(norm="layernorm", parallel_block=True, mlp_bias=True),
     "window": dict(sliding_window=5),
+    "swiglu": dict(mlp="swiglu", ffn_dim=40),
 }
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from support.kernel_cases import (EPS, NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm, check_norm,
-                          check_rope, gelu_args, grads_of, norm_args, qkv_slice, rand, tables)
-from mshpc.kernels import ops
+                          check_rope, check_swiglu, gelu_args, grads_of, norm_args, qkv_slice, rand, swiglu_args,
+                                  tables)
+from mshpc.kernels import ops, reference
 
 DTYPES = list(TOL)
 
@@ -52,6 +53,22 @@ def test_bias_gelu_fp32_bias_on_bf16_input():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_matches_reference(dtype):
+    check_swiglu(dtype)
+
+
+def test_swiglu_gradcheck():
+    assert torch.autograd.gradcheck(ops.swiglu, (swiglu_args(torch.float64, grad=True, shape=(3, 2 * 19)),))
+
+
+def test_swiglu_on_a_strided_input_and_zero_rows():
+    """A transposed view is made contiguous first; an empty batch gives an empty result."""
+    x = swiglu_args(torch.float32, shape=(10, 6)).t()  # (6, 10): a non-contiguous view
+    torch.testing.assert_close(ops.swiglu(x), reference.swiglu(x), **TOL[torch.float32])
+    assert ops.swiglu(torch.empty(0, 8)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_matches_reference_on_a_strided_view(dtype):
     check_rope(dtype)
 
@@ -73,13 +90,14 @@ def test_opcheck_and_compile():
         (torch.ops.mshpc.add_norm, (x, None, w, None, EPS, True)),
         (torch.ops.mshpc.bias_gelu, gelu_args(torch.float32, True, grad=True)),
         (torch.ops.mshpc.rope, (qk, cos, sin, False)),
+        (torch.ops.mshpc.swiglu, (swiglu_args(torch.float32, grad=True),)),
     ]
     for op, args in samples:
         torch.library.opcheck(op, args)
 
     def block(x, r, w, b, qk):
         h, s = ops.add_layer_norm(x, r, w, b, EPS)
-        return ops.bias_gelu(h, b) + s, ops.rope(qk, cos, sin)
+        return ops.swiglu(torch.cat((ops.bias_gelu(h, b), s), -1)) + s, ops.rope(qk, cos, sin)
 
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
     args = (x, r, w, b, qk)
@@ -96,3 +114,5 @@ def test_bad_inputs_fail_with_one_line():
         ops.rope(rand(3, 8).float(), *tables())
     with pytest.raises(RuntimeError, match="unsupported dtype"):
         ops.bias_gelu(torch.ones(4, dtype=torch.int32), None)
+    with pytest.raises(RuntimeError, match=r"mshpc::swiglu: x's last dim must be even \(\[gate \| up\]\), got 7"):
+        ops.swiglu(rand(3, 7).float())

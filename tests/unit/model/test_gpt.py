@@ -97,6 +97,28 @@ def test_init_scales_residual_projections():
         assert torch.equal(layer.ln_1.weight, torch.ones(64))
 
 
+def test_swiglu_mlp_is_silu_gate_times_up_then_down():
+    """fc holds [gate; up] rows of model.ffn_dim each and proj is the down projection: the block's
+    MLP is W_down (silu(W_gate x) * (W_up x)), Llama's, with no biases."""
+    model = tiny(mlp="swiglu", ffn_dim=24)
+    mlp = model.layers["0"].mlp
+    assert mlp.fc.weight.shape == (2 * 24, 16) and mlp.proj.weight.shape == (16, 24)
+    assert mlp.fc.bias is None and mlp.fc_bias is None and mlp.proj.bias is None
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2))
+    gate, up = mlp.fc.weight[:24], mlp.fc.weight[24:]
+    want = (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ mlp.proj.weight.T
+    torch.testing.assert_close(mlp(x), want)
+    n_matrices = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.mlp"))
+    assert n_matrices == 3 * 24 * 16
+
+
+def test_swiglu_init_scales_down_projection():
+    model = tiny(mlp="swiglu", n_layer=8, d_model=64, n_head=2, ffn_dim=160)
+    for layer in model.layers.values():
+        assert abs(layer.mlp.fc.weight.std().item() / TINY.init_std - 1) < 0.05
+        assert abs(layer.mlp.proj.weight.std().item() / (TINY.init_std / 4.0) - 1) < 0.1  # 1/sqrt(2 * 8)
+
+
 def test_dropout_only_in_training():
     plain, dropped = tiny(), tiny(dropout=0.5)
     idx = tokens()

@@ -32,6 +32,31 @@ def test_layer_and_stage_parameters_175b():
     assert stage_params(M, layout(), 7) == 12 * 226_504_704 + 12_288 + 98_304_000
 
 
+def test_llama3_parameters_match_the_published_counts():
+    # Meta's counts: 8.03B and 70.6B. 8B by hand: per block q, out 2 * 4096^2 = 33,554,432; k, v
+    # 2 * 4096 * 1024 = 8,388,608; SwiGLU 3 * 4096 * 14336 = 176,160,768; two RMSNorms 8,192:
+    # 218,112,000 x 32 = 6,979,584,000; untied embedding and lm head 2 * 128256 * 4096 =
+    # 1,050,673,152; final norm 4,096: 8,030,261,248
+    one = Layout(1, 1, 1, 1, 1, 1, "none")
+    m8 = load_config(REPO / "configs/llama3-8b.yaml").model
+    assert stage_params(m8, one, 0) == 8_030_261_248
+    # 70B: block 2 * 8192^2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192 = 855,654,400 x 80
+    # = 68,452,352,000; 2 * 128256 * 8192 = 2,101,346,304; final norm 8,192: 70,553,706,496
+    m70 = load_config(REPO / "configs/llama3-70b.yaml").model
+    assert stage_params(m70, one, 0) == 70_553_706_496
+    assert round(stage_params(m8, one, 0) / 1e9, 2) == 8.03 and round(stage_params(m70, one, 0) / 1e9, 1) == 70.6
+
+
+def test_gqa_kv_heads_split_over_tp_or_replicated():
+    """8 kv heads of 128 at d 8192: tp 8 splits them (one per rank); tp 16 cannot, so each rank
+    keeps one whole kv head (2 * 8192 * 128 weights) as Megatron replicates them."""
+    m = load_config(REPO / "configs/llama3-70b.yaml").model
+    norms, kv_head = 2 * 8192, 2 * 8192 * 128
+    rest = 2 * 8192**2 + 3 * 8192 * 28672  # q, out and the MLP: split over any tp
+    assert layer_params(m, tp=8) == rest / 8 + kv_head + norms
+    assert layer_params(m, tp=16) == rest / 16 + kv_head + norms
+
+
 def test_weights_grads_and_zero_sharded_state_175b():
     mem = memory(M, layout(dp=4))
     # the first stage is the fuller: its 96 layers' worth of in-flight activations outweigh
@@ -88,3 +113,6 @@ def test_parameter_count_matches_the_model():
     two = Layout(1, 1, 2, 1, 1, 2, "none")
     total = stage_params(tied.model, two, 0) + stage_params(tied.model, two, 1)
     assert total == GPT(tied.model).num_params() + tied.model.vocab_size * tied.model.d_model
+    # SwiGLU's three matrices of model.ffn_dim
+    swiglu = load_config(REPO / "configs/tiny.yaml", ["model.mlp=swiglu", "model.ffn_dim=344"]).model
+    assert stage_params(swiglu, one, 0) == GPT(swiglu).num_params()
