@@ -464,6 +464,18 @@ def _check_parallel(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.n_head={m.n_head} (choose {_divisors(m.n_head)})"
         )
+    kv = m.kv_heads
+    if kv % p.tp and p.tp % kv:
+        # kv heads are split over tp like q heads when kv >= tp, else each tp rank keeps a copy
+        # of the one its q heads read (Megatron's rule): either way one divides the other
+        raise ConfigError(
+            f"parallel.tp={p.tp} and model.n_kv_head={kv}: one must divide the other (kv heads are "
+            f"split over tp, or replicated when fewer; choose tp among {_divisors(kv)} or a multiple of {kv})"
+        )
+    if kv < p.tp and cfg.optim.name == "lamb":
+        # LAMB's per-weight trust ratio would count each replicated kv head once per copy
+        raise ConfigError(f"optim.name='lamb' with model.n_kv_head={kv} < parallel.tp={p.tp} (replicated kv "
+                          f"heads) is not available (choose optim.name='adamw', or parallel.tp <= {kv})")
     if m.mlp_bias and p.tp > 1:
         # Megatron splits the first bias with fc's rows and adds the second after the
         # reduce-scatter; the tensor-parallel layers here carry no biases yet

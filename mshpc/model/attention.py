@@ -103,10 +103,12 @@ def flash_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wi
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: fused qkv projection, RoPE on q and k, SDPA, output
-    projection. Inputs no longer than the window take SDPA's `is_causal=True` (its flash path);
-    a narrower sliding window takes FlashAttention's own window where it can run (CUDA, half
-    precision, no dropout) and otherwise SDPA with a boolean mask. A document mask
-    (`document_mask`), when given, replaces both."""
+    projection; grouped-query (Ainslie et al. 2023) with fewer kv heads than q heads, each kv
+    head read by n_head / n_kv_head consecutive q heads. Inputs no longer than the window take
+    SDPA's `is_causal=True` (its flash path); a narrower sliding window takes FlashAttention's
+    own window where it can run (CUDA, half precision, no dropout) and otherwise SDPA with a
+    boolean mask. A document mask (`document_mask`), when given, replaces both. With a `cache`
+    (`KVCache`: decoding) the input continues the cached sequence."""
 
     # buffers, registered in __init__ (nn.Module's attribute lookup types them Tensor | Module)
     rope_cos: torch.Tensor
@@ -117,12 +119,14 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.kernels = select_kernels(cfg.fused_kernels)
         self.head_dim = cfg.d_model // cfg.n_head
+        # the heads this module's qkv holds: tensor parallelism sets its rank's counts
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.kv_heads
         # No window is a window as wide as the longest input.
         self.window = cfg.seq_len if cfg.sliding_window is None else cfg.sliding_window
         self.dropout = cfg.dropout
-        # Rows are [q; k; v], each d_model wide with heads contiguous, so a tensor-parallel
-        # shard of each third keeps the (3, heads, hd) layout that forward reads.
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        # Rows are [q; k; v] (n_head, n_kv_head, n_kv_head heads) with heads contiguous, so a
+        # tensor-parallel shard of each part keeps the layout that forward reads.
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * self.head_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.resid_dropout = nn.Dropout(cfg.dropout)
         cos, sin = rope_cache(cfg.seq_len, self.head_dim, cfg.rope_theta)
@@ -132,35 +136,81 @@ class CausalSelfAttention(nn.Module):
         mask = sliding_window_mask(cfg.seq_len, self.window) if self.window < cfg.seq_len else None
         self.register_buffer("mask", mask, persistent=False)
 
-    def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
-        qkv = self.qkv(x)  # (b, s, 3 * d): s and the width from qkv, which may gather or split them
+    def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        qkv = self.qkv(x)  # (b, s, (nh + 2 * nkv) * hd): s and the width from qkv, which may gather or split them
         b, s = qkv.shape[:2]
-        # -1 heads: the local head count, which tensor parallelism divides.
-        qkv = qkv.view(b, s, 3, -1, self.head_dim)  # (b, s, 3, nh, hd)
-        # q and k rotated in one call, as (b, s, 2 * nh, hd): a strided view of qkv, no copy
-        qk = self.kernels.rope(qkv[:, :, :2].flatten(2, 3), self.rope_cos, self.rope_sin)
-        q, k = qk.unflatten(2, (2, -1)).unbind(2)  # each (b, s, nh, hd)
-        y = self.attend(q, k, qkv[:, :, 2], self.dropout if self.training else 0.0, doc_mask)
+        qkv = qkv.view(b, s, -1, self.head_dim)  # (b, s, nh + 2 * nkv, hd)
+        start = 0 if cache is None else cache.length
+        cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
+        # q and k rotated in one call, as (b, s, nh + nkv, hd): a strided view of qkv, no copy
+        qk = self.kernels.rope(qkv[:, :, :self.n_head + self.n_kv_head], cos, sin)
+        q, k = qk.split((self.n_head, self.n_kv_head), dim=2)  # (b, s, nh, hd), (b, s, nkv, hd)
+        v = qkv[:, :, self.n_head + self.n_kv_head:]
+        if cache is None:
+            y = self.attend(q, k, v, self.dropout if self.training else 0.0, doc_mask)
+        else:
+            y = cache.attend(q, k, v, self.window)
         return self.resid_dropout(self.proj(y.reshape(b, s, -1)))  # (b, s, d)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                doc_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention over q, k, v (b, s, nh, hd), within the window and, when `doc_mask`
-        (b, 1, s, s) is given, within each document; returns (b, s, nh, hd). Its own method so
-        that selective activation checkpointing can recompute just this part."""
+        """Causal attention of q (b, s, nh, hd) over k, v (b, s, nkv, hd), within the window and,
+        when `doc_mask` (b, 1, s, s) is given, within each document; returns (b, s, nh, hd). Its
+        own method so that selective activation checkpointing can recompute just this part."""
         s = q.shape[1]
         if s > self.window and doc_mask is None:
             flash, reason = flash_window_supported(q, dropout_p)
             _log_window_path("FlashAttention window" if flash else "SDPA with a boolean mask", reason)
             if flash:
-                return flash_window_attention(q, k, v, self.window)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, nh, s, hd), as SDPA takes them
+                return flash_window_attention(q, *expand_kv(k, v, q.shape[2], dim=2), self.window)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd), as SDPA takes them
+        # SDPA's own grouped-query path: no expanded copy of k and v, and on CPU at the tiny and
+        # 125M shapes 0.6-1.0x the time of repeat_interleave first (benchmarks/gqa_attention.py)
+        gqa = k.shape[1] != q.shape[1]
         if doc_mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, dropout_p=dropout_p)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=doc_mask, dropout_p=dropout_p, enable_gqa=gqa)
         elif s <= self.window:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
         else:
             assert self.mask is not None  # window < s <= seq_len, so __init__ built it
             # The window mask depends only on (i, j), so a shorter input uses its top-left corner.
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:s, :s], dropout_p=dropout_p)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:s, :s], dropout_p=dropout_p,
+                                               enable_gqa=gqa)
+        return y.transpose(1, 2)
+
+
+def expand_kv(k: torch.Tensor, v: torch.Tensor, n_head: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with each kv head repeated for the n_head / n_kv_head q heads that read it (along
+    the heads' `dim`), for kernels without a grouped-query mode; unchanged when the counts agree."""
+    groups = n_head // k.shape[dim]
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=dim), v.repeat_interleave(groups, dim=dim)
+
+
+class KVCache:
+    """One layer's keys and values of the positions decoded so far, for incremental decoding:
+    each forward appends its new (rotated) keys and values and attends over what is kept. With a
+    sliding window only the last W keys can be seen again, so no more are kept."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # (b, kept, nkv, hd)
+        self.v: torch.Tensor | None = None
+        self.length = 0  # positions consumed: the absolute position of the next token
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+        """Attention of the new queries q (b, s, nh, hd) at positions length.. over the kept keys
+        and the new k, v (b, s, nkv, hd); returns (b, s, nh, hd) and keeps the last W keys."""
+        s = q.shape[1]
+        keys = k if self.k is None else torch.cat((self.k, k), dim=1)
+        values = v if self.v is None else torch.cat((self.v, v), dim=1)
+        # positions of the queries and of the kept keys (the last keys.shape[1] ones)
+        end = self.length + s
+        qpos = torch.arange(self.length, end, device=q.device)[:, None]
+        kpos = torch.arange(end - keys.shape[1], end, device=q.device)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)  # (s, kept): sliding_window_mask's rule
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, keys, values))
+        y = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=kt.shape[1] != qt.shape[1])
+        self.k, self.v, self.length = keys[:, -window:], values[:, -window:], end
         return y.transpose(1, 2)

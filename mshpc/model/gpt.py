@@ -14,7 +14,7 @@ from torch import nn
 from mshpc.config import ModelConfig
 from mshpc.errors import ConfigError
 from mshpc.kernels.dispatch import REFERENCE, Kernels, select_kernels
-from mshpc.model.attention import CausalSelfAttention, document_mask
+from mshpc.model.attention import CausalSelfAttention, KVCache, document_mask
 
 
 class RMSNorm(nn.Module):
@@ -92,11 +92,12 @@ class Block(nn.Module):
         self.ln_2 = None if cfg.parallel_block else build_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         h, _ = self.ln_1(x)  # (b, s, d)
         if self.ln_2 is None:
-            return x + self.attn(h, doc_mask) + self.mlp(h)  # both branches read the same normed input
-        h, x = self.ln_2(self.attn(h, doc_mask), residual=x)  # x + attn(.), and its norm, in one pass
+            return x + self.attn(h, doc_mask, cache) + self.mlp(h)  # both branches read the same normed input
+        h, x = self.ln_2(self.attn(h, doc_mask, cache), residual=x)  # x + attn(.), and its norm, in one pass
         return x + self.mlp(h)
 
 
@@ -145,16 +146,20 @@ class GPT(nn.Module):
             for proj in (layer.attn.proj, layer.mlp.proj):
                 nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
 
-    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        if idx.shape[1] > self.cfg.seq_len:
+    def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None,
+                caches: list[KVCache] | None = None) -> torch.Tensor:
+        """`caches`, one per layer (decoding): idx continues the sequence they hold, and they
+        take its keys and values; without, idx is a whole sequence."""
+        start = 0 if caches is None else caches[0].length
+        if start + idx.shape[1] > self.cfg.seq_len:
             raise ConfigError(
-                f"input of {idx.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}"
+                f"input of {start + idx.shape[1]} tokens exceeds model.seq_len={self.cfg.seq_len}"
             )
         # One mask for every layer: built once per micro-batch, not once per layer.
         mask = None if segments is None else document_mask(segments, self.cfg.sliding_window)
         x = self.dropout(self.tok_embeddings(idx)) if self.tok_embeddings is not None else idx  # (b, s, d)
-        for layer in self.layers.values():
-            x = layer(x, mask)
+        for i, layer in enumerate(self.layers.values()):
+            x = layer(x, mask) if caches is None else layer(x, mask, caches[i])
         if self.lm_head is None:
             return x
         assert self.norm is not None  # a stage with the head has the final norm too

@@ -30,7 +30,7 @@ from mshpc.parallel.tensor import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from mshpc.parallel.tp_split import COLUMNS, QKV_ROWS, ROWS, TpSplit, chunk_bounds
+from mshpc.parallel.tp_split import COLUMNS, ROWS, TpSplit, chunk_bounds, qkv_split
 from mshpc.parallel.zero import ModelParallel, ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine
 
@@ -77,6 +77,7 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
     attn.proj and mlp.proj row-parallel; norms and dropout see 1/tp of the sequence. Returns the
     loss for the vocab-parallel logits."""
     chunks = parallel.tp_overlap_chunks if parallel.tp_overlap else 1
+    tp = dist.get_world_size(group)
     embedding, head = getattr(model, "tok_embeddings", None), getattr(model, "lm_head", None)
     table = embedding if embedding is not None else head  # a middle pipeline stage has neither
     vocab_start = 0 if table is None else _part(table.weight.shape[0], group).start
@@ -89,7 +90,10 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
             lm_head.weight = vocab.weight
     for block in _blocks(model):
         attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(_local(attn.qkv.weight, QKV_ROWS, group), group, chunks, QKV_ROWS)
+        qkv = qkv_split(attn.n_head, attn.n_kv_head, attn.head_dim)
+        attn.qkv = ColumnParallelLinear(_local(attn.qkv.weight, qkv, group), group, chunks, qkv)
+        # this rank's heads: 1/tp of them, and of the kv heads, or a copy of one when fewer than tp
+        attn.n_head, attn.n_kv_head = attn.n_head // tp, max(1, attn.n_kv_head // tp)
         attn.proj = RowParallelLinear(_local(attn.proj.weight, COLUMNS, group), group, chunks)
         mlp.fc = ColumnParallelLinear(_local(mlp.fc.weight, ROWS, group), group, chunks)
         mlp.proj = RowParallelLinear(_local(mlp.proj.weight, COLUMNS, group), group, chunks)
@@ -100,6 +104,19 @@ def tp_replicated(model: nn.Module) -> frozenset[str]:
     """Names of the parameters that tensor parallelism left whole on every tp rank (norms)."""
     owners = {id(p) for m in model.modules() if isinstance(m, TP_MODULES) for p in m.parameters()}
     return frozenset(n for n, p in model.named_parameters() if id(p) not in owners)
+
+
+def tp_copies(model: nn.Module) -> dict[str, torch.Tensor]:
+    """For each parameter with rows replicated over tp (kv heads fewer than tp), a mask (its
+    shape) of the rows this rank holds a copy of that another rank counts in the clip norm."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ColumnParallelLinear) and any(not c.owner for c in m.copies):
+            mask = torch.zeros_like(m.weight, dtype=torch.bool)
+            for c in m.copies:
+                mask[c.lo:c.hi] = not c.owner
+            out[f"{name}.weight"] = mask
+    return out
 
 
 def tp_splits(model: nn.Module) -> dict[str, TpSplit]:
@@ -135,7 +152,9 @@ def apply_zero(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] =
     `tied` names a pipeline stage's copy of a weight the other embedding stage holds too (the
     tied embedding): its gradient is summed over the mesh's embed group."""
     replicated = tp_replicated(model) if mesh.shape.tp > 1 else frozenset()
-    mp = ModelParallel(tp=mesh.tp, replicated=replicated, norm=mesh.mp, tied=tied, tied_group=mesh.embed)
+    copies = tp_copies(model) if mesh.shape.tp > 1 else {}
+    mp = ModelParallel(tp=mesh.tp, replicated=replicated, norm=mesh.mp, tied=tied, tied_group=mesh.embed,
+                       copies=copies)
     # the fused multi-tensor optimizer where the kernels built (chosen once per process, logged)
     fused = select_kernels(cfg.model.fused_kernels).fused
     return build_zero_engine(model, cfg.optim, cfg.parallel, mesh.dp, mp, fused=fused)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mshpc.parallel import comm
-from mshpc.parallel.tp_split import COLUMNS, ROWS, TpSplit, chunk_bounds
+from mshpc.parallel.tp_split import COLUMNS, ROWS, RowCopy, TpSplit, chunk_bounds
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]  # acts on the last dim only: rows are independent
 
@@ -97,16 +97,36 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+def sum_copies(dw: torch.Tensor, copies: list[RowCopy], group: dist.ProcessGroup) -> torch.Tensor:
+    """dw (rows_l, in) with each replicated unit's rows summed over the ranks that hold a copy of
+    it: every rank puts its rows in its unit's slot of one buffer, zeros elsewhere, and a single
+    all-reduce over `group` sums each slot over its holders only. Collective over `group`."""
+    slots, at = [], 0
+    for c in copies:
+        slots.append(at + c.unit * (c.hi - c.lo))
+        at += c.units * (c.hi - c.lo)
+    buf = dw.new_zeros((at, dw.shape[1]))  # small: the replicated kv heads, whole, once each
+    for c, slot in zip(copies, slots, strict=True):
+        buf[slot:slot + c.hi - c.lo] = dw[c.lo:c.hi]
+    comm.all_reduce(buf, group=group)
+    dw = dw.clone()
+    for c, slot in zip(copies, slots, strict=True):
+        dw[c.lo:c.hi] = buf[slot:slot + c.hi - c.lo]
+    return dw
+
+
 class _GatherLinear(torch.autograd.Function):
-    """y = all_gather_seq(x) @ W^T; backward: dx = reduce_scatter_seq(dy @ W), dW = dy^T x_full."""
+    """y = all_gather_seq(x) @ W^T; backward: dx = reduce_scatter_seq(dy @ W), dW = dy^T x_full,
+    its replicated rows (`copies`) summed over the ranks that share them."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup, chunks: int,
+                copies: list[RowCopy]) -> torch.Tensor:
         dtype = _compute_dtype(x)
         w = weight.to(dtype)
         y, x_full = gather_seq(x.to(dtype), lambda t: F.linear(t, w), group, chunks)
         ctx.save_for_backward(x_full, weight)
-        ctx.group, ctx.chunks, ctx.x_dtype = group, chunks, x.dtype
+        ctx.group, ctx.chunks, ctx.x_dtype, ctx.copies = group, chunks, x.dtype, copies
         return y
 
     @staticmethod
@@ -116,7 +136,9 @@ class _GatherLinear(torch.autograd.Function):
         dw: list[torch.Tensor] = []  # (out_l, in): one GEMM over the whole sequence, while dx travels
         dx = scatter_seq(dy, lambda t: t.matmul(w), ctx.group, ctx.chunks,
                          meanwhile=lambda: dw.append(_rows(dy).t().matmul(_rows(x_full))))
-        return dx.to(ctx.x_dtype), dw[0].to(weight.dtype), None, None
+        if ctx.copies:
+            dw[0] = sum_copies(dw[0], ctx.copies, ctx.group)
+        return dx.to(ctx.x_dtype), dw[0].to(weight.dtype), None, None, None
 
 
 class _LinearScatter(torch.autograd.Function):
@@ -163,9 +185,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight)  # (out/tp, in)
         self.group, self.chunks = group, chunks
         self.split = split  # how the whole weight was cut (qkv: per block), for resharding
+        # rows this rank holds a copy of (kv heads fewer than tp): their gradients are summed
+        self.copies = split.copies(dist.get_rank(group), dist.get_world_size(group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _GatherLinear.apply(x, self.weight, self.group, self.chunks)
+        return _GatherLinear.apply(x, self.weight, self.group, self.chunks, self.copies)
 
 
 class RowParallelLinear(nn.Module):

@@ -66,6 +66,9 @@ class ShardPiece:
     tensor: torch.Tensor  # view into its bucket's master shard
     key: str  # its name in checkpoints: a tp shard's carries its tp rank (`<name>@tp<r>`)
     saved: bool  # False on tp ranks > 0 for a tp-replicated parameter: tp rank 0 saves it
+    # elements that are a copy of rows another tp rank counts in the clip norm (replicated kv
+    # heads); None: every element counts
+    uncounted: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,9 @@ class ModelParallel:
     norm: dist.ProcessGroup | None = None
     tied: frozenset[str] = field(default_factory=frozenset)
     tied_group: dist.ProcessGroup | None = None
+    # by name: a mask (the parameter's shape) of rows several tp ranks hold copies of and
+    # another one counts in the norm (kv heads fewer than tp: tp_split.RowCopy)
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def tp_size(self) -> int:
@@ -100,6 +106,13 @@ class ModelParallel:
 
 
 DP_ONLY = ModelParallel()  # the model whole on every dp rank: no tp, no pp, nothing tied
+
+
+def _counted(piece: ShardPiece) -> torch.Tensor:
+    """The gradient of `piece` that this rank counts in the norm (its own copy of shared rows
+    zeroed: their owner counts them)."""
+    grad = cast(torch.Tensor, piece.tensor.grad)
+    return grad if piece.uncounted is None else grad.masked_fill(piece.uncounted, 0.0)
 
 
 class ZeroEngine:
@@ -270,7 +283,7 @@ class ZeroEngine:
         group. Each parameter counts once, as in the unsplit model: a tp-replicated one on tp rank
         0, a tied one on the first rank of its tied group."""
         # a piece's grad is its span of the reduced shard, set once when the engine is built
-        counted = [cast(torch.Tensor, p.tensor.grad) for p in self.pieces if p.saved and self.mp.counts_tied(p.name)]
+        counted = [_counted(p) for p in self.pieces if p.saved and self.mp.counts_tied(p.name)]
         norm_sq = torch.stack(torch._foreach_norm(counted)).square().sum() if counted else shards[0].new_zeros(())
         comm.all_reduce(norm_sq, group=self.group)
         if self.mp.norm is not None and dist.get_world_size(self.mp.norm) > 1:

@@ -96,7 +96,10 @@ def build_shard_pieces(
             tensor = bucket.master[span]
             tensor.grad = shard_grad[span]
             saved = mp.tp_rank == 0 or not bucket.tp_replicated
-            pieces.append(ShardPiece(name, tuple(p.shape), piece.param_start, tensor, mp.checkpoint_key(name), saved))
+            copies = mp.copies.get(name)
+            uncounted = None if copies is None else copies.reshape(-1)[piece.param_start:piece.param_start + piece.numel]
+            pieces.append(ShardPiece(name, tuple(p.shape), piece.param_start, tensor, mp.checkpoint_key(name), saved,
+                                     uncounted))
     return pieces
 
 

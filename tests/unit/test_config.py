@@ -56,6 +56,12 @@ BAD = [
     (["model.n_head=3"], "model.n_head=3 does not divide model.d_model=256"),
     (["model.n_head=8", "parallel.tp=3"], "parallel.tp=3 does not divide model.n_head=8 (choose 1, 2, 4 or 8)"),
     (["parallel.pp=3"], "parallel.pp*parallel.virtual_stages=3 does not divide model.n_layer=4"),
+    (["model.n_kv_head=3"], "model.n_kv_head=3 does not divide model.n_head=4"),
+    # 12 heads and 6 kv heads at tp=4: 6 kv heads can be neither split 4 ways nor copied evenly
+    (["model.n_head=12", "model.d_model=384", "model.n_kv_head=6", "parallel.tp=4"],
+     "parallel.tp=4 and model.n_kv_head=6: one must divide the other"),
+    (["model.n_kv_head=1", "parallel.tp=2", "optim.name=lamb"],
+     "optim.name='lamb' with model.n_kv_head=1 < parallel.tp=2 (replicated kv heads) is not available"),
     (["parallel.pp=2", "parallel.virtual_stages=2", "train.grad_accum=3"],
      "interleaved 1F1B needs train.grad_accum=3 divisible by parallel.pp=2 (choose a multiple of 2"),
     (["parallel.virtual_stages=2"], "parallel.virtual_stages=2 needs parallel.pp > 1"),

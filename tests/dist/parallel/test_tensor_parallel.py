@@ -39,6 +39,9 @@ CASES = {  # name: (overlap, grad_accum, optimizer, activation checkpointing, mo
     "lamb": (True, 1, "lamb", "none", {}),
     "parallel-block-untied-full-recompute": (True, 1, "adamw", "full", {"parallel_block": True, "tie_embeddings": False}),
     "selective-recompute-layernorm": (True, 1, "adamw", "selective", {"norm": "layernorm"}),
+    # grouped-query: at tp=2, 2 kv heads are split over the ranks; 1 (multi-query) is replicated
+    "gqa-kv2": (True, 1, "adamw", "none", {"n_kv_head": 2}),
+    "mqa-kv1-selective": (True, 1, "adamw", "selective", {"n_kv_head": 1}),
 }
 
 
@@ -76,14 +79,18 @@ def train_split(split: Parallelized, cfg: Config, dp_rank: int) -> tuple[list[fl
     return losses, norms
 
 
-def expected_shard(name: str, full: torch.Tensor, tp: int, r: int) -> torch.Tensor:
+def expected_shard(name: str, full: torch.Tensor, tp: int, r: int, kv: int = TINY.n_head) -> torch.Tensor:
     """Which part of the unsplit parameter tp rank r must hold, written out per layer kind."""
     rows = lambda n: slice(r * n // tp, (r + 1) * n // tp)  # noqa: E731
     if name.endswith(("tok_embeddings.weight", "lm_head.weight", "mlp.fc.weight")):
         return full[rows(full.shape[0])]
-    if name.endswith("attn.qkv.weight"):  # its heads in each of q, k and v
-        qkv = full.unflatten(0, (3, -1))
-        return qkv[:, rows(qkv.shape[1])].flatten(0, 1)
+    if name.endswith("attn.qkv.weight"):  # its q heads, and its kv heads (or a copy of the one it reads)
+        kv_rows = kv * TINY.d_model // TINY.n_head
+        q, k, v = full.split([TINY.d_model, kv_rows, kv_rows])
+        if kv < tp:
+            head = r * kv // tp
+            return torch.cat([q[rows(q.shape[0])], *(t.unflatten(0, (kv, -1))[head] for t in (k, v))])
+        return torch.cat([t[rows(t.shape[0])] for t in (q, k, v)])
     if name.endswith(("attn.proj.weight", "mlp.proj.weight")):
         return full[:, rows(full.shape[1])]
     return full  # norms: whole on every tp rank
@@ -102,16 +109,24 @@ def cases(rank: int, world: int, tp: int) -> dict:
         ref = dict(ref_model.named_parameters())
         params = dict(split.engine.model.named_parameters())
         assert params.keys() == ref.keys(), "tensor parallelism must keep the model's names"
-        diffs = [(params[n] - expected_shard(n, ref[n], tp, mesh.coords.tp)).abs().max().item() for n in ref]
-        whole = [n for n in ref if expected_shard(n, ref[n], tp, mesh.coords.tp) is ref[n]]
+        kv = cfg.model.kv_heads
+        diffs = [(params[n] - expected_shard(n, ref[n], tp, mesh.coords.tp, kv)).abs().max().item() for n in ref]
+        whole = [n for n in ref if expected_shard(n, ref[n], tp, mesh.coords.tp, kv) is ref[n]]
         norms_tp = {n: comm.all_gather_json(params[n].tolist(), group=mesh.tp) for n in whole}
         out[name] = {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-                     "param_diff": max(diffs), "norms_same_on_tp_ranks": all(v[0] == v[-1] for v in norms_tp.values())}
+                     "param_diff": max(diffs), "norms_same_on_tp_ranks": all(v[0] == v[-1] for v in norms_tp.values()),
+                     # a replicated kv head's copies: the same gradient sum, so bitwise the same weights
+                     "kv_copies_same": kv >= tp or _copies_same(params["layers.0.attn.qkv.weight"], mesh)}
         models[name] = (losses, split.engine.model)
     on, off = models["adamw"], models["adamw-no-overlap"]
     out["overlap_bitwise"] = on[0] == off[0] and all(
         torch.equal(p, q) for p, q in zip(on[1].parameters(), off[1].parameters()))
     return out
+
+
+def _copies_same(qkv: torch.Tensor, mesh) -> bool:
+    kv_rows = comm.all_gather_json(qkv[TINY.d_model // mesh.shape.tp:].tolist(), group=mesh.tp)
+    return all(rows == kv_rows[0] for rows in kv_rows)
 
 
 @pytest.fixture(scope="module", params=[(2, 2), (4, 2)], ids=["tp2", "dp2-tp2"])
@@ -140,6 +155,11 @@ def test_norm_weights_stay_identical_across_tp_ranks(ranks):
     # their partial gradients are summed over tp, so every tp rank applies the same update
     for result in ranks:
         assert all(result[case]["norms_same_on_tp_ranks"] for case in CASES)
+
+
+def test_replicated_kv_heads_stay_identical_across_tp_ranks(ranks):
+    # multi-query at tp=2: each rank's copy gets the gradient summed over both ranks
+    assert all(result["mqa-kv1-selective"]["kv_copies_same"] for result in ranks)
 
 
 def test_overlap_on_and_off_train_bitwise_alike(ranks):

@@ -37,18 +37,19 @@ def naive_attention(attn: CausalSelfAttention, x: torch.Tensor, window: int | No
     """Per-query loops over the allowed keys, then the output projection."""
     b, s, d = x.shape
     hd = attn.head_dim
-    nh = d // hd
-    q, k, v = (x @ attn.qkv.weight.T).split(d, dim=-1)
-    q, k, v = (t.view(b, s, nh, hd).transpose(1, 2) for t in (q, k, v))  # (b, nh, s, hd)
+    nh, kv = d // hd, attn.n_kv_head
+    q, k, v = (x @ attn.qkv.weight.T).split([d, kv * hd, kv * hd], dim=-1)
+    q, k, v = (t.view(b, s, -1, hd).transpose(1, 2) for t in (q, k, v))  # (b, heads, s, hd)
     q, k = naive_rope(q, theta), naive_rope(k, theta)
     y = torch.zeros_like(q)
     for bi in range(b):
         for h in range(nh):
+            g = h // (nh // kv)  # the kv head q head h reads
             for i in range(s):
                 keys = [j for j in range(s) if naive_allowed(i, j, window)]
-                scores = torch.stack([q[bi, h, i] @ k[bi, h, j] for j in keys]) / math.sqrt(hd)
+                scores = torch.stack([q[bi, h, i] @ k[bi, g, j] for j in keys]) / math.sqrt(hd)
                 weights = torch.softmax(scores, dim=0)
-                y[bi, h, i] = sum(w * v[bi, h, j] for w, j in zip(weights, keys))
+                y[bi, h, i] = sum(w * v[bi, g, j] for w, j in zip(weights, keys))
     return y.transpose(1, 2).reshape(b, s, d) @ attn.proj.weight.T
 
 
@@ -61,10 +62,11 @@ def test_mask_matches_double_loop(s, window):
         assert (got.sum(dim=1) <= window).all()  # at most W keys per query, itself included
 
 
-def double_attention(window: int | None, seq_len: int = 8, theta: float = 10000.0):
+def double_attention(window: int | None, seq_len: int = 8, theta: float = 10000.0, n_head: int = 2,
+                     n_kv_head: int | None = None):
     torch.manual_seed(0)
     cfg = ModelConfig(
-        seq_len=seq_len, n_head=2, d_model=16, sliding_window=window, rope_theta=theta
+        seq_len=seq_len, n_head=n_head, d_model=16, sliding_window=window, rope_theta=theta, n_kv_head=n_kv_head
     )
     attn = CausalSelfAttention(cfg).double()
     # Exact float64 tables, so the comparison is limited by float64, not by fp32 angles.
@@ -119,3 +121,41 @@ def test_document_mask_is_the_window_rule_within_each_document():
         expected = torch.tensor([[naive_allowed(i, j, window) and segments[0, i] == segments[0, j]
                                   for j in range(8)] for i in range(8)])
         assert torch.equal(got[0, 0], expected)
+
+
+@pytest.mark.parametrize("n_kv_head", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_grouped_query_attention_matches_naive_reference(n_kv_head, window):
+    attn = double_attention(window, theta=100.0, n_head=4, n_kv_head=n_kv_head)
+    assert attn.qkv.weight.shape == ((4 + 2 * n_kv_head) * 4, 16)  # [q; k; v] with the kv heads' width
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    torch.testing.assert_close(attn(x), naive_attention(attn, x, window, 100.0), rtol=1e-10, atol=1e-12)
+
+
+def expanded_twin(attn: CausalSelfAttention, window: int | None) -> CausalSelfAttention:
+    """A multi-head module whose k and v heads are `attn`'s, each repeated for the q heads that
+    read it: grouped-query attention written out by hand."""
+    mha = double_attention(window, theta=100.0, n_head=4)
+    hd, kv = attn.head_dim, attn.n_kv_head
+    q, k, v = attn.qkv.weight.detach().split([4 * hd, kv * hd, kv * hd])
+    k, v = (t.unflatten(0, (kv, hd)).repeat_interleave(4 // kv, dim=0).flatten(0, 1) for t in (k, v))
+    with torch.no_grad():
+        mha.qkv.weight.copy_(torch.cat([q, k, v]))
+        mha.proj.weight.copy_(attn.proj.weight)
+    return mha
+
+
+@pytest.mark.parametrize("n_kv_head", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_grouped_query_attention_equals_expanded_multi_head_with_document_masks(n_kv_head, window):
+    attn = double_attention(window, theta=100.0, n_head=4, n_kv_head=n_kv_head)
+    mha = expanded_twin(attn, window)
+    x = torch.randn(2, 8, 16, dtype=torch.float64, requires_grad=True)
+    segments = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 1, 1, 1]])
+    for mask in (None, document_mask(segments, window)):
+        y = attn(x, mask)
+        torch.testing.assert_close(y, mha(x, mask), rtol=1e-10, atol=1e-12)
+    # and the gradient reaching the input, through SDPA's grouped-query backward
+    (dx,) = torch.autograd.grad(attn(x).square().sum(), x)
+    (dx_mha,) = torch.autograd.grad(mha(x).square().sum(), x)
+    torch.testing.assert_close(dx, dx_mha, rtol=1e-10, atol=1e-12)
