@@ -45,16 +45,14 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return data
 
 
-def _has_mlp_biases(hf_dir: Path) -> bool:
-    """Whether a GPT-NeoX checkpoint's MLP biases are not all zero (then mshpc keeps them)."""
-    with read_safetensors(hf_dir) as src:
-        return any(src.get(n).count_nonzero() for n in sorted(src.names) if ".mlp.dense_" in n and n.endswith(".bias"))
-
-
 def hf_model_config(hf_dir: Path) -> ModelConfig:
-    """The mshpc model of the Hugging Face folder `hf_dir`."""
+    """The mshpc model of the Hugging Face folder `hf_dir`, whose safetensors files must open;
+    with MLP biases when a GPT-NeoX checkpoint's are not all zero."""
     m = model_config(read_hf_config(hf_dir), str(hf_dir))
-    return dataclasses.replace(m, mlp_bias=True) if m.mlp == "gelu" and _has_mlp_biases(hf_dir) else m
+    with read_safetensors(hf_dir) as src:
+        biases = sorted(n for n in src.names if ".mlp.dense_" in n and n.endswith(".bias"))
+        nonzero = m.mlp == "gelu" and any(src.get(n).count_nonzero() for n in biases)
+    return dataclasses.replace(m, mlp_bias=True) if nonzero else m
 
 
 def import_config(hf_dir: Path, out: Path) -> Config:

@@ -14,6 +14,9 @@ MAX_RELATIVE_DIFF = 1e-5
 TINY = dict(vocab_size=97, seq_len=32, n_layer=2, n_head=4, d_model=32, fused_kernels="off")
 NEOX_SERIAL = ModelConfig(**TINY, norm="layernorm", mlp="gelu", parallel_block=False, tie_embeddings=False)
 NEOX_PARALLEL = ModelConfig(**TINY, norm="layernorm", mlp="gelu", parallel_block=True)
+LLAMA_GQA = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=2, ffn_dim=48, tie_embeddings=False,
+                        rope_theta=500000.0, norm_eps=1e-6)
+LLAMA_MQA_TIED = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=1)
 
 
 def tokens(m: ModelConfig, batch: int = 2, seed: int = 0) -> torch.Tensor:

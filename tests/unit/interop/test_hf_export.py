@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 from support.hf_models import (
+    LLAMA_GQA,
+    LLAMA_MQA_TIED,
     MAX_RELATIVE_DIFF,
     NEOX_PARALLEL,
     NEOX_SERIAL,
@@ -31,15 +33,17 @@ def _drawn(m, seed=0):
     return model
 
 
-@pytest.mark.parametrize("m", [NEOX_SERIAL, NEOX_PARALLEL, dataclasses.replace(NEOX_SERIAL, mlp_bias=True)],
-                         ids=["neox-serial-untied", "neox-parallel-tied", "neox-mlp-bias"])
-def test_exported_neox_computes_mshpc_logits(tmp_path, m):
+@pytest.mark.parametrize("m, arch", [
+    (NEOX_SERIAL, "GPTNeoXForCausalLM"), (NEOX_PARALLEL, "GPTNeoXForCausalLM"),
+    (dataclasses.replace(NEOX_SERIAL, mlp_bias=True), "GPTNeoXForCausalLM"),
+    (LLAMA_GQA, "LlamaForCausalLM"), (LLAMA_MQA_TIED, "LlamaForCausalLM"),
+], ids=["neox-serial-untied", "neox-parallel-tied", "neox-mlp-bias", "llama-gqa-untied", "llama-mqa-tied"])
+def test_exported_model_computes_mshpc_logits(tmp_path, m, arch):
     model = _drawn(m)
     weights = {n: p.detach() for n, p in model.named_parameters()}
     write_hf(tmp_path / "hf", m, weights, "byte")
     config = json.loads((tmp_path / "hf/config.json").read_text())
-    assert config["architectures"] == ["GPTNeoXForCausalLM"]
-    assert config["use_parallel_residual"] is m.parallel_block
+    assert config["architectures"] == [arch]
     idx = tokens(m)
     assert relative_diff(hf_logits(tmp_path / "hf", idx), mshpc_logits(model, idx)) <= MAX_RELATIVE_DIFF
 
