@@ -32,25 +32,31 @@ from mshpc.model.gpt import GPT
 CONFIG_FILE = "config.yaml"  # the resolved config, in every run directory (run_dir.py)
 
 
-def find_checkpoint(path: Path, config: Path | None) -> tuple[Path, Config]:
-    """The checkpoint folder `path` names (itself, or a run directory's latest) and the config it
-    was trained with (`config`, or the run directory's config.yaml)."""
+def run_config(path: Path, config: Path | None) -> tuple[Path, Config]:
+    """The run directory of `path` (itself, or <run dir>/checkpoints/step-N above a checkpoint)
+    and the config it was trained with: `config`, or the run directory's config.yaml."""
     if (path / MANIFEST_FILE).is_file():
-        folder, run_dir = path, path.resolve().parent.parent  # <run dir>/checkpoints/step-N
+        run_dir = path.resolve().parent.parent
     elif (path / CONFIG_FILE).is_file():
         run_dir = path
-        root = checkpoint_root(load_config(config or path / CONFIG_FILE), path)
-        step = latest_step(root)
-        if step is None:
-            raise InteropError(f"{path}: a run directory with no checkpoint under {root} "
-                               "(train with checkpoint.interval_steps > 0)")
-        folder = step_dir(root, step)
     else:
         raise InteropError(f"{path}: neither a run directory ({CONFIG_FILE}) nor a checkpoint ({MANIFEST_FILE})")
     cfg_path = config or run_dir / CONFIG_FILE
     if not cfg_path.is_file():
-        raise InteropError(f"{folder}: no {CONFIG_FILE} at {run_dir}; name the run's config with --config")
-    return folder, load_config(cfg_path)
+        raise InteropError(f"{path}: no {CONFIG_FILE} at {run_dir}; name the run's config with --config")
+    return run_dir, load_config(cfg_path)
+
+
+def find_checkpoint(path: Path, run_dir: Path, cfg: Config) -> Path:
+    """The checkpoint folder `path` names: itself, or the run directory's latest."""
+    if (path / MANIFEST_FILE).is_file():
+        return path
+    root = checkpoint_root(cfg, run_dir)
+    step = latest_step(root)
+    if step is None:
+        raise InteropError(f"{path}: a run directory with no checkpoint under {root} "
+                           "(train with checkpoint.interval_steps > 0)")
+    return step_dir(root, step)
 
 
 def read_model_copy(folder: Path) -> Weights:
@@ -114,9 +120,10 @@ def write_hf(out_dir: Path, m: ModelConfig, weights: Weights, tokenizer: str,
 
 def export_hf(path: Path, out_dir: Path, config: Path | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Export the checkpoint `path` names (see find_checkpoint) into `out_dir`; lines saying what was written."""
-    folder, cfg = find_checkpoint(path, config)
+    """Export the checkpoint `path` names (a run directory's latest, or a step folder) into `out_dir`; lines saying what was written."""
+    run_dir, cfg = run_config(path, config)
     arch = hf_architecture(cfg.model)  # before reading anything: an unsupported model stops here
+    folder = find_checkpoint(path, run_dir, cfg)
     check_model_copy(folder)
     weights = check_shapes(read_model_copy(folder), cfg.model, folder)
     lines = write_hf(out_dir, cfg.model, weights, cfg.data.tokenizer, max_shard_bytes)

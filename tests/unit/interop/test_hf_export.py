@@ -96,3 +96,18 @@ def test_export_refuses_a_sliding_window_and_a_used_folder(tmp_path):
     with pytest.raises(InteropError, match="not an empty folder"):
         write_hf(tmp_path / "hf", NEOX_SERIAL, {n: p.detach() for n, p in model.named_parameters()}, "byte")
     assert (tmp_path / "hf/keep.txt").read_text() == "mine"
+
+
+def test_cli_export_of_an_unsupported_model_stops_with_one_line(tmp_path, capsys):
+    from support.cli_runner import REPO
+
+    from mshpc.cli import USER_ERROR_EXIT, main
+
+    (tmp_path / "run").mkdir()  # tiny.yaml: rmsnorm + gelu + parallel block, no checkpoint needed to say so
+    (tmp_path / "run/config.yaml").write_text((REPO / "configs/tiny.yaml").read_text())
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "out")]) == USER_ERROR_EXIT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("mshpc: error: InteropError: model.norm=rmsnorm, model.mlp=gelu, model.parallel_block=true "
+                       "has no transformers equivalent (nearest supported: layernorm + gelu + parallel block -> "
+                       "GPTNeoXForCausalLM)")
+    assert not (tmp_path / "out").exists()
