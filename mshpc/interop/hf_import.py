@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # What must agree between train.init_from's config.json and the config's model (seq_len, dropout,
 # init and kernels may differ: they change no weight and no function of the weights).
 SAME = ("vocab_size", "n_layer", "n_head", "d_model", "ffn_width", "kv_heads", "norm", "mlp",
-        "parallel_block", "tie_embeddings", "norm_eps", "rope_theta", "mlp_bias")
+        "parallel_block", "tie_embeddings", "norm_eps", "rope_theta")
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:

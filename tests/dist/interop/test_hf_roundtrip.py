@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.paths import latest_step, step_dir
-from mshpc.interop.hf_export import check_shapes, find_checkpoint, read_model_copy, run_config
+from mshpc.interop.hf_export import check_shapes, export_hf, find_checkpoint, read_model_copy, run_config
 from mshpc.model.gpt import GPT
 
 FAST = ["train.cpu_threads=1", "run.progress=lines", "supervisor.max_restarts=0", "checkpoint.async_save=false"]
@@ -80,8 +80,9 @@ def test_tp2_pp2_checkpoint_exports(tmp_path, corpus_cache, model, arch):
     manifest = read_manifest(folder)
     assert manifest.layout == {"dp": 1, "tp": 2, "pp": 2}
     assert any(e.name.startswith("model/") and e.name.endswith("@tp1") for e in manifest.tensors)  # parts to join
-    out = export(folder, tmp_path / "exported")  # a step folder: the config is found two levels up
-    assert f"as {arch}" in out
+    # in this process (the dp=2 test runs the CLI); a step folder: the config is found two levels up
+    lines = export_hf(folder, tmp_path / "exported", max_shard_bytes=100_000)
+    assert f"as {arch}" in lines[0] and (tmp_path / "exported/model.safetensors.index.json").is_file()
     idx = tokens(257, 32)
     assert relative_diff(hf_logits(tmp_path / "exported", idx), checkpoint_logits(tmp_path / "run", idx)) \
         <= MAX_RELATIVE_DIFF
