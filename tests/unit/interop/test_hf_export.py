@@ -111,3 +111,62 @@ def test_cli_export_of_an_unsupported_model_stops_with_one_line(tmp_path, capsys
                        "has no transformers equivalent (nearest supported: layernorm + gelu + parallel block -> "
                        "GPTNeoXForCausalLM)")
     assert not (tmp_path / "out").exists()
+
+
+def _run_with_checkpoint(tmp_path, m):
+    """A run directory (config.yaml) with one checkpoint whose model/ copy holds `m`'s weights,
+    spread whole over 2 shards as dp=2 ranks write it."""
+    import yaml
+    from support.ckpt_runs import sharded_checkpoint
+
+    from mshpc.config import Config, dump_yaml
+
+    model = _drawn(m)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/config.yaml").write_text(dump_yaml(Config(model=m)))
+    assert yaml.safe_load((tmp_path / "run/config.yaml").read_text())["model"]["norm"] == m.norm
+    folder = tmp_path / "run/checkpoints/step-0000003"
+    folder.mkdir(parents=True)
+    whole = {f"model/{n}": (p.detach().clone(), i % 2) for i, (n, p) in enumerate(model.named_parameters())}
+    sharded_checkpoint(folder, {}, n_shards=2, whole=whole)
+    (tmp_path / "run/checkpoints/latest").symlink_to(folder.name)
+    return model, folder
+
+
+def test_export_of_a_run_directory_reads_its_latest_checkpoint(tmp_path):
+    from mshpc.interop.hf_export import export_hf
+
+    model, folder = _run_with_checkpoint(tmp_path, LLAMA_GQA)
+    lines = export_hf(tmp_path / "run", tmp_path / "hf")
+    assert lines[0].startswith(f"exported {folder} (") and "as LlamaForCausalLM" in lines[0]
+    idx = tokens(LLAMA_GQA)
+    assert relative_diff(hf_logits(tmp_path / "hf", idx), mshpc_logits(model, idx)) <= MAX_RELATIVE_DIFF
+
+
+def test_export_stops_at_a_corrupt_model_copy_and_writes_nothing(tmp_path):
+    from mshpc.checkpoint.manifest import read_manifest
+    from mshpc.errors import CheckpointError
+    from mshpc.interop.hf_export import export_hf
+
+    _, folder = _run_with_checkpoint(tmp_path, NEOX_SERIAL)
+    [entry] = [e for e in read_manifest(folder).tensors if e.name == "model/layers.0.attn.qkv.weight"]
+    with open(folder / entry.file, "r+b") as f:  # one bit of the weight's bytes, where the manifest says they are
+        f.seek(entry.offset + 5)
+        byte = f.read(1)[0]
+        f.seek(entry.offset + 5)
+        f.write(bytes([byte ^ 0x10]))
+    with pytest.raises(CheckpointError, match=r"checksum mismatch for tensor 'model/layers.0.attn.qkv.weight'"):
+        export_hf(folder, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.export-tmp").exists()
+
+
+def test_export_names_a_config_that_is_not_the_runs(tmp_path):
+    from mshpc.config import Config, dump_yaml
+    from mshpc.interop.hf_export import export_hf
+
+    _, folder = _run_with_checkpoint(tmp_path, NEOX_SERIAL)
+    other = tmp_path / "other.yaml"
+    other.write_text(dump_yaml(Config(model=dataclasses.replace(NEOX_SERIAL, d_model=64))))
+    with pytest.raises(InteropError, match=r"model/tok_embeddings.weight is \[97, 32\] but the config's model has "
+                                           r"\[97, 64\]; is the config the run's\?"):
+        export_hf(folder, tmp_path / "hf", config=other)
