@@ -160,7 +160,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "import", help="write a config that trains on from a Hugging Face model",
+        "import", help="write a config that starts training from a Hugging Face model",
         description="Read HF_DIR/config.json (LlamaForCausalLM or GPTNeoXForCausalLM, safetensors "
         "weights) and write an mshpc config: its model section, train.init_from: HF_DIR, every other "
         "key at its default. `mshpc train` on it starts from those weights.",
@@ -168,6 +168,24 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p.add_argument("hf_dir", type=Path, help="a Hugging Face model folder (config.json, *.safetensors)")
     p.add_argument("--out", required=True, type=Path, metavar="CONFIG.yaml", help="the config file to write")
     p.set_defaults(func=cmd_import)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate", help="sample text from a checkpoint",
+        description="Continue --prompt with the model of a checkpoint (any dp/tp/pp layout), on this "
+        "process, with a key/value cache. Prints the prompt and its continuation.",
+    )
+    p.add_argument("path", type=Path, metavar="RUN_OR_CHECKPOINT",
+                   help="a run directory (its newest checkpoint) or a checkpoint folder")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--greedy", action="store_true", help="the likeliest token every time (deterministic)")
+    p.set_defaults(func=cmd_generate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_export(sub)
     _add_import(sub)
+    _add_generate(sub)
     return parser
 
 
@@ -347,6 +366,16 @@ def cmd_import(args: argparse.Namespace) -> int:
     m = cfg.model
     print(f"wrote {args.out}: {m.norm} + {m.mlp}, {m.n_layer} layers, d_model {m.d_model}, "
           f"{m.n_head} heads ({m.kv_heads} kv), vocabulary {m.vocab_size}; train.init_from: {cfg.train.init_from}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from mshpc.generate import SampleOptions, generate
+
+    opts = SampleOptions(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.greedy)
+    text, tokens_per_s = generate(args.path, args.prompt, opts)
+    print(text)
+    print(f"mshpc: {tokens_per_s:.1f} tokens/s", file=sys.stderr)
     return 0
 
 

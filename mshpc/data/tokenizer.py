@@ -24,6 +24,10 @@ class Tokenizer(Protocol):
         """Token ids of `text` (an unsigned integer array), without the end-of-document id."""
         ...
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids (what `mshpc generate` prints); ids it has no text for are skipped."""
+        ...
+
 
 class ByteTokenizer:
     """Every byte is its own token (ids 0..255); 256 marks the end of a document."""
@@ -35,6 +39,10 @@ class ByteTokenizer:
     def encode(self, text: bytes) -> np.ndarray:
         """The bytes of `text` as uint16 ids."""
         return np.frombuffer(text, dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids: list[int]) -> str:
+        """The bytes of `ids` as UTF-8 (a sequence cut inside a character shows U+FFFD)."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class BPETokenizer:
@@ -62,6 +70,10 @@ class BPETokenizer:
         """The BPE ids of `text` decoded as UTF-8, as uint32."""
         ids = self._tok.encode(text.decode("utf-8", errors="replace"), add_special_tokens=False).ids
         return np.asarray(ids, dtype=np.uint32)
+
+    def decode(self, ids: list[int]) -> str:
+        known = self._tok.get_vocab_size(with_added_tokens=True)  # the end-of-document id may lie past it
+        return str(self._tok.decode([i for i in ids if i < known]))
 
 
 def build_tokenizer(spec: str) -> Tokenizer:
