@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from mshpc.config import ModelConfig
+from mshpc.config import Config, ModelConfig, dump_yaml
+from support.ckpt_runs import sharded_checkpoint
 
 # max |a - b| / max |b| over all logits: fp32 on both sides, same math in another order
 MAX_RELATIVE_DIFF = 1e-5
@@ -42,3 +43,15 @@ def mshpc_logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
 def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return float((a - b).abs().max() / b.abs().max())
+
+
+def checkpoint_run(run_dir: Path, cfg: Config, model: torch.nn.Module) -> Path:
+    """A run directory (config.yaml) whose one checkpoint, `latest`, holds `model`'s weights as
+    its model/ copy, each weight whole in one of 2 shards as dp=2 ranks write it; the step folder."""
+    folder = run_dir / "checkpoints/step-0000003"
+    folder.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    whole = {f"model/{n}": (p.detach().clone(), i % 2) for i, (n, p) in enumerate(model.named_parameters())}
+    sharded_checkpoint(folder, {}, n_shards=2, whole=whole)
+    (run_dir / "checkpoints/latest").symlink_to(folder.name)
+    return folder

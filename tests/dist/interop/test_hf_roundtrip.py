@@ -1,6 +1,7 @@
-"""Hugging Face export and import through the real CLI and multi-rank checkpoints: a model
+"""Hugging Face export and import with real multi-rank training (the CLI's local launcher): a model
 trained at dp=2 (started from an imported Hugging Face folder) or at tp=2 x pp=2 exports to a
-folder whose transformers model computes the checkpoint's logits."""
+folder whose transformers model computes the checkpoint's logits. Import and export run in this
+process; their CLI commands are tested in tests/unit/interop."""
 
 import warnings
 
@@ -13,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.paths import latest_step, step_dir
 from mshpc.interop.hf_export import check_shapes, export_hf, find_checkpoint, read_model_copy, run_config
+from mshpc.interop.hf_import import import_config
 from mshpc.model.gpt import GPT
 
 FAST = ["train.cpu_threads=1", "run.progress=lines", "supervisor.max_restarts=0", "checkpoint.async_save=false"]
@@ -30,13 +32,6 @@ def checkpoint_logits(run_dir, idx):
     return mshpc_logits(model, idx)
 
 
-def export(run_dir, out):
-    result = mshpc("export", str(run_dir), "--hf", str(out), "--max-shard-mb", "0.1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (out / "model.safetensors.index.json").is_file()  # 0.1 MB shards: more than one
-    return result.stdout
-
-
 def tokens(vocab, seq):
     return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
 
@@ -47,16 +42,15 @@ def test_imported_llama_trains_20_steps_at_dp2_and_exports(tmp_path, corpus_cach
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf.save_pretrained(tmp_path / "hf")
-    imported = mshpc("import", str(tmp_path / "hf"), "--out", str(tmp_path / "llama.yaml"))
-    assert imported.returncode == 0, imported.stderr[-3000:]
+    import_config(tmp_path / "hf", tmp_path / "llama.yaml")  # in this process: the CLI's own is a unit test
     sets = [*FAST, "train.steps=20", "checkpoint.interval_steps=20", "train.micro_batch=4",
             "optim.warmup_steps=2", f"run.out_dir={tmp_path}", "run.name=llama", f"data.cache_dir={corpus_cache}"]
     trained = mshpc("train", str(tmp_path / "llama.yaml"), "--nproc", "2", *[a for s in sets for a in ("--set", s)])
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert f"initial weights: {tmp_path / 'hf'}" in trained.stderr
     assert len(read_metrics(tmp_path / "llama")) == 20
-    out = export(tmp_path / "llama", tmp_path / "exported")
-    assert "as LlamaForCausalLM" in out
+    lines = export_hf(tmp_path / "llama", tmp_path / "exported", max_shard_bytes=100_000)  # a run directory
+    assert "as LlamaForCausalLM" in lines[0] and (tmp_path / "exported/model.safetensors.index.json").is_file()
     idx = tokens(257, 32)
     got = hf_logits(tmp_path / "exported", idx)
     assert relative_diff(got, checkpoint_logits(tmp_path / "llama", idx)) <= MAX_RELATIVE_DIFF

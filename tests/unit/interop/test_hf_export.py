@@ -11,6 +11,7 @@ from support.hf_models import (
     MAX_RELATIVE_DIFF,
     NEOX_PARALLEL,
     NEOX_SERIAL,
+    checkpoint_run,
     hf_logits,
     mshpc_logits,
     relative_diff,
@@ -114,23 +115,10 @@ def test_cli_export_of_an_unsupported_model_stops_with_one_line(tmp_path, capsys
 
 
 def _run_with_checkpoint(tmp_path, m):
-    """A run directory (config.yaml) with one checkpoint whose model/ copy holds `m`'s weights,
-    spread whole over 2 shards as dp=2 ranks write it."""
-    import yaml
-    from support.ckpt_runs import sharded_checkpoint
-
-    from mshpc.config import Config, dump_yaml
+    from mshpc.config import Config
 
     model = _drawn(m)
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run/config.yaml").write_text(dump_yaml(Config(model=m)))
-    assert yaml.safe_load((tmp_path / "run/config.yaml").read_text())["model"]["norm"] == m.norm
-    folder = tmp_path / "run/checkpoints/step-0000003"
-    folder.mkdir(parents=True)
-    whole = {f"model/{n}": (p.detach().clone(), i % 2) for i, (n, p) in enumerate(model.named_parameters())}
-    sharded_checkpoint(folder, {}, n_shards=2, whole=whole)
-    (tmp_path / "run/checkpoints/latest").symlink_to(folder.name)
-    return model, folder
+    return model, checkpoint_run(tmp_path / "run", Config(model=m), model)
 
 
 def test_export_of_a_run_directory_reads_its_latest_checkpoint(tmp_path):

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from support.hf_models import MAX_RELATIVE_DIFF, hf_logits, mshpc_logits, relative_diff
+from support.hf_models import MAX_RELATIVE_DIFF, checkpoint_run, hf_logits, mshpc_logits, relative_diff
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from mshpc.config import load_config
@@ -115,3 +115,18 @@ def test_init_from_refuses_a_config_of_another_model(tmp_path):
     shorter = load_config(tmp_path / "out.yaml", ["model.seq_len=16"])  # seq_len is the run's to choose
     assert torch.equal(initial_model(shorter).tok_embeddings.weight,
                        initial_model(load_config(tmp_path / "out.yaml")).tok_embeddings.weight)
+
+
+def test_cli_import_then_export_round_trips(tmp_path, capsys):
+    """`mshpc import` and `mshpc export` as a user types them (in this process), end to end."""
+    from mshpc.cli import main
+
+    hf_dir = _save(llama(), tmp_path / "hf")
+    assert main(["import", str(hf_dir), "--out", str(tmp_path / "llama.yaml")]) == 0
+    assert "train.init_from: " + str(hf_dir.resolve()) in capsys.readouterr().out
+    cfg = load_config(tmp_path / "llama.yaml")
+    checkpoint_run(tmp_path / "run", cfg, initial_model(cfg))
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"), "--max-shard-mb", "0.05"]) == 0
+    assert "as LlamaForCausalLM" in capsys.readouterr().out
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    assert relative_diff(hf_logits(tmp_path / "out", idx), hf_logits(hf_dir, idx)) <= MAX_RELATIVE_DIFF
