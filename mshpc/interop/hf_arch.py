@@ -91,7 +91,7 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, float]:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default" or (scaling and not params):
+    if kind != "default":
         raise InteropError(f"{where}: rope scaling {kind!r} is not implemented in mshpc "
                            "(only plain RoPE, rope_type 'default')")
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
@@ -99,9 +99,17 @@ def _rope(hf: dict[str, Any], where: str) -> tuple[float, float]:
     return float(theta), float(fraction)
 
 
-def _require(hf: dict[str, Any], where: str, key: str, ok: Any, want: str) -> None:
-    if hf.get(key) not in ok:
+def _require(hf: dict[str, Any], where: str, key: str, ok: Any, want: str, default: Any = None) -> None:
+    if hf.get(key, default) not in ok:
         raise InteropError(f"{where}: {key}={hf.get(key)!r} is not implemented in mshpc (it needs {want})")
+
+
+def _number(hf: dict[str, Any], where: str, key: str, default: float | None = None) -> float:
+    """config.json's number `key` (`default` when absent), or a one-line InteropError."""
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InteropError(f"{where}: config.json has no number {key!r} (got {value!r})")
+    return value
 
 
 def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False) -> ModelConfig:
@@ -110,7 +118,7 @@ def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False) -> Mode
     arch = (hf.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise InteropError(f"{where}: architecture {arch!r} is not supported (choose {' or '.join(ARCHITECTURES)})")
-    d, n_head = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    d, n_head = int(_number(hf, where, "hidden_size")), int(_number(hf, where, "num_attention_heads"))
     theta, fraction = _rope(hf, where)
     if fraction != 1.0:
         raise InteropError(f"{where}: rotary on {fraction:g} of each head is not implemented in mshpc "
@@ -119,19 +127,20 @@ def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False) -> Mode
         raise InteropError(f"{where}: head_dim={hf['head_dim']} is not hidden_size/num_attention_heads="
                            f"{d // n_head}, which mshpc needs")
     fields: dict[str, Any] = dict(
-        vocab_size=int(hf["vocab_size"]), seq_len=int(hf["max_position_embeddings"]),
-        n_layer=int(hf["num_hidden_layers"]), n_head=n_head, d_model=d, ffn_dim=int(hf["intermediate_size"]),
+        vocab_size=int(_number(hf, where, "vocab_size")), seq_len=int(_number(hf, where, "max_position_embeddings")),
+        n_layer=int(_number(hf, where, "num_hidden_layers")), n_head=n_head, d_model=d,
+        ffn_dim=int(_number(hf, where, "intermediate_size")),
         rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        init_std=float(hf.get("initializer_range", 0.02)))
+        init_std=float(_number(hf, where, "initializer_range", 0.02)))
     if arch == LLAMA:
-        _require(hf, where, "hidden_act", ("silu",), "'silu'")
+        _require(hf, where, "hidden_act", ("silu",), "'silu'", default="silu")
         _require(hf, where, "attention_bias", (False, None), "attention_bias false")
         _require(hf, where, "mlp_bias", (False, None), "mlp_bias false")
         kv = int(hf.get("num_key_value_heads") or n_head)
-        fields.update(norm="rmsnorm", mlp="swiglu", parallel_block=False, norm_eps=float(hf["rms_norm_eps"]),
+        fields.update(norm="rmsnorm", mlp="swiglu", parallel_block=False, norm_eps=float(_number(hf, where, "rms_norm_eps", 1e-6)),
                       n_kv_head=None if kv == n_head else kv)
     else:
         _require(hf, where, "hidden_act", TANH_GELUS, f"GeLU's tanh form: {' or '.join(TANH_GELUS)}")
-        fields.update(norm="layernorm", mlp="gelu", norm_eps=float(hf["layer_norm_eps"]), mlp_bias=mlp_bias,
+        fields.update(norm="layernorm", mlp="gelu", norm_eps=float(_number(hf, where, "layer_norm_eps", 1e-5)), mlp_bias=mlp_bias,
                       parallel_block=bool(hf.get("use_parallel_residual", True)))
     return ModelConfig(**fields)

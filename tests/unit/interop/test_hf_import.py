@@ -76,6 +76,9 @@ def _config_json(hf_dir, **changes):
      "rope scaling 'llama3' is not implemented in mshpc"),
     (dict(hidden_act="relu"), "hidden_act='relu' is not implemented in mshpc"),
     (dict(head_dim=16), "head_dim=16 is not hidden_size/num_attention_heads=8"),
+    (dict(hidden_size="32"), "config.json has no number 'hidden_size' (got '32')"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}, rope_parameters=None),
+     "rope scaling 'linear' is not implemented in mshpc"),
 ])
 def test_import_refuses_what_mshpc_does_not_compute(tmp_path, changes, message):
     hf_dir = _save(llama(), tmp_path / "hf")
