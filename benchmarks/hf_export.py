@@ -45,7 +45,7 @@ def measure(m: ModelConfig, tmp: Path) -> list[dict]:
         ours.append(time.perf_counter() - t0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            hf = hf or AutoModelForCausalLM.from_pretrained(tmp / "ours0", dtype=torch.float32).eval()
+            hf = hf or AutoModelForCausalLM.from_pretrained(tmp / "ours0").eval()
             t0 = time.perf_counter()
             hf.save_pretrained(tmp / f"theirs{rep}")
             theirs.append(time.perf_counter() - t0)

@@ -30,7 +30,8 @@ def hf_logits(hf_dir: Path, idx: torch.Tensor) -> torch.Tensor:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()  # no dtype: 4.x and 5.x name it differently
+    assert next(model.parameters()).dtype == torch.float32  # the comparison is fp32 against fp32
     with torch.no_grad():
         return model(idx).logits.float()
 
