@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mshpc.errors import LaunchError, MshpcError
+from mshpc.errors import ConfigError, LaunchError, MshpcError
 
 USER_ERROR_EXIT = 2
 
@@ -141,6 +141,35 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model folder",
+        description="Export the latest checkpoint of a run directory (or one step-* folder) as a "
+        "transformers model: config.json, model.safetensors (sharded with an index above --max-shard-mb) "
+        "and the tokenizer. RMSNorm + SwiGLU + serial blocks become LlamaForCausalLM, LayerNorm + GeLU "
+        "GPTNeoXForCausalLM; any other model stops with the nearest supported ones.",
+    )
+    p.add_argument("path", type=Path, help="a run directory (its latest checkpoint) or a step-* folder")
+    p.add_argument("--hf", required=True, type=Path, metavar="OUT_DIR", help="a new (or empty) folder to write")
+    p.add_argument("--config", type=Path, default=None,
+                   help="the run's config (default: config.yaml of the run directory)")
+    p.add_argument("--max-shard-mb", type=float, default=2000.0,
+                   help="largest safetensors file, in MB (10^6 bytes); above it, shards and an index (default 2000)")
+    p.set_defaults(func=cmd_export)
+
+
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "import", help="write a config that starts training from a Hugging Face model",
+        description="Read HF_DIR/config.json (LlamaForCausalLM or GPTNeoXForCausalLM, safetensors "
+        "weights) and write an mshpc config: its model section, train.init_from: HF_DIR, every other "
+        "key at its default. `mshpc train` on it starts from those weights.",
+    )
+    p.add_argument("hf_dir", type=Path, help="a Hugging Face model folder (config.json, *.safetensors)")
+    p.add_argument("--out", required=True, type=Path, metavar="CONFIG.yaml", help="the config file to write")
+    p.set_defaults(func=cmd_import)
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate", help="sample text from a checkpoint",
@@ -171,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_preflight(sub)
     _add_diagnose(sub)
     _add_plan(sub)
+    _add_export(sub)
+    _add_import(sub)
     _add_generate(sub)
     return parser
 
@@ -316,6 +347,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dev = device_spec(args.gpu, args.intra_bw, args.inter_bw, args.efficiency)
     predictions = plan(cfg, args.gpus, dev, args.gpus_per_node)
     print(format_json(predictions) if args.json else format_table(predictions, dev, args.top))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from mshpc.interop.hf_export import export_hf
+
+    if args.max_shard_mb <= 0:
+        raise ConfigError(f"--max-shard-mb={args.max_shard_mb} must be > 0")
+    print("\n".join(export_hf(args.path, args.hf, args.config, int(args.max_shard_mb * 1e6))))
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from mshpc.interop.hf_import import import_config
+
+    cfg = import_config(args.hf_dir, args.out)
+    m = cfg.model
+    print(f"wrote {args.out}: {m.norm} + {m.mlp}, {m.n_layer} layers, d_model {m.d_model}, "
+          f"{m.n_head} heads ({m.kv_heads} kv), vocabulary {m.vocab_size}; train.init_from: {cfg.train.init_from}")
     return 0
 
 

@@ -136,6 +136,9 @@ class TrainConfig:
     cpu_threads: int = _min(0, 0)  # torch threads per rank; 0: cores / local ranks
     peak_tflops: float | None = None  # device peak for MFU; None: from the device table
     resume: str = "auto"  # "auto": latest good checkpoint if any; "never"; or a step-* folder
+    # a Hugging Face folder (Llama or GPT-NeoX, safetensors; `mshpc import` writes a config for it)
+    # whose weights replace the initial draw; a checkpoint that train.resume finds still wins
+    init_from: str | None = None
     # nodes of the allocation (local: slots) held back to replace an evicted one
     spare_nodes: int = _min(0, 0)
 

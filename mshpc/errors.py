@@ -29,6 +29,11 @@ class CheckpointError(MshpcError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model."""
 
 
+class InteropError(MshpcError):
+    """A model cannot go to or come from another library's format (Hugging Face): an architecture
+    or feature with no equivalent, or files that do not fit the config."""
+
+
 class KernelError(MshpcError):
     """The fused kernels were asked for (model.fused_kernels: on) but cannot be built or loaded."""
 

@@ -28,13 +28,13 @@ from mshpc.diagnose.timers import phase
 from mshpc.errors import ConfigError, MshpcError
 from mshpc.fault_hooks import NO_FAULTS, FaultHooks
 from mshpc.fault_setup import build_fault_hooks
+from mshpc.interop.hf_import import initial_model
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.loss_check import check_loss
 from mshpc.mesh_shape import MeshShape
-from mshpc.model.gpt import GPT
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn, parallelize
@@ -162,10 +162,11 @@ def build_model_step(cfg: Config, mesh: Mesh, rt: Runtime) -> tuple[ZeroEngine, 
     """This rank's ZeRO engine over its part of the model (tp/sp, recompute, ZeRO applied), and
     its train step (a pipeline rank's when pp > 1). Collective over the mesh."""
     torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
+    model = initial_model(cfg)  # or train.init_from's
     if cfg.parallel.pp > 1:
-        pipe = build_pipeline(cfg, mesh, rt.device, rt.autocast_dtype)
+        pipe = build_pipeline(cfg, mesh, rt.device, rt.autocast_dtype, model)
         return pipe.engine, lambda batch: pipeline_train_step(pipe, batch.to(rt.device), cfg)
-    split = parallelize(GPT(cfg.model).to(rt.device), mesh, cfg)
+    split = parallelize(model.to(rt.device), mesh, cfg)
     return split.engine, lambda batch: train_step(split.engine, split.loss_fn, batch, cfg, rt)
 
 

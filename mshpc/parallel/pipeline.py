@@ -216,12 +216,13 @@ class Pipeline:
     runner: PipelineRunner
 
 
-def build_pipeline(cfg: Config, mesh: Mesh, device: torch.device, autocast: torch.dtype | None) -> Pipeline:
-    """Split the whole GPT (seeded by the caller: every rank draws the same weights), keep this
-    rank's stages and apply the other parallelisms to them (apply.parallelize: TP/SP,
-    recompute, ZeRO). Collective over the mesh."""
+def build_pipeline(cfg: Config, mesh: Mesh, device: torch.device, autocast: torch.dtype | None,
+                   whole: GPT | None = None) -> Pipeline:
+    """Split the whole GPT (`whole`, or one drawn here; seeded by the caller: every rank draws the
+    same weights), keep this rank's stages and apply the other parallelisms to them
+    (apply.parallelize: TP/SP, recompute, ZeRO). Collective over the mesh."""
     shape, rank = pipe_shape(cfg), mesh.coords.pp
-    model = stage_model(GPT(cfg.model), shape, rank).to(device)
+    model = stage_model(whole if whole is not None else GPT(cfg.model), shape, rank).to(device)
     split = parallelize(model, mesh, cfg, tied_weights(cfg.model, shape, rank))
     plan = build_plan(cfg.parallel.pp_schedule, shape, rank)
     # between stages the residual stream, (b, s / tp, d) under sequence parallelism

@@ -1,0 +1,105 @@
+"""`mshpc import HF_DIR --out CONFIG.yaml` and `train.init_from: HF_DIR`: start training from a
+Llama or GPT-NeoX checkpoint in safetensors.
+
+The config's model section comes from HF_DIR/config.json (hf_arch.py refuses what mshpc does not
+compute exactly); at start-up every rank reads the weights into the whole model before any
+parallelism cuts it, as it would otherwise draw them from the seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mshpc.config import Config, ModelConfig, dump_yaml, from_dict
+from mshpc.errors import InteropError
+from mshpc.interop.hf_arch import model_config
+from mshpc.interop.hf_names import from_hf
+from mshpc.interop.safetensors_files import read_safetensors
+from mshpc.model.gpt import GPT
+
+log = logging.getLogger(__name__)
+
+# What must agree between train.init_from's config.json and the config's model (seq_len, dropout,
+# init and kernels may differ: they change no weight and no function of the weights).
+SAME = ("vocab_size", "n_layer", "n_head", "d_model", "ffn_width", "kv_heads", "norm", "mlp",
+        "parallel_block", "tie_embeddings", "norm_eps", "rope_theta")
+
+
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise InteropError(f"{hf_dir}: no config.json (a Hugging Face model folder has one)")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise InteropError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise InteropError(f"{path}: not a JSON object")
+    return data
+
+
+def hf_model_config(hf_dir: Path) -> ModelConfig:
+    """The mshpc model of the Hugging Face folder `hf_dir`, whose safetensors files must open;
+    with MLP biases when a GPT-NeoX checkpoint's are not all zero."""
+    m = model_config(read_hf_config(hf_dir), str(hf_dir))
+    with read_safetensors(hf_dir) as src:
+        biases = sorted(n for n in src.names if ".mlp.dense_" in n and n.endswith(".bias"))
+        nonzero = m.mlp == "gelu" and any(src.get(n).count_nonzero() for n in biases)
+    return dataclasses.replace(m, mlp_bias=True) if nonzero else m
+
+
+def import_config(hf_dir: Path, out: Path) -> Config:
+    """Write to `out` a config whose model is `hf_dir`'s and whose training starts from its
+    weights (train.init_from), every other key at its default; return it."""
+    m = hf_model_config(hf_dir)
+    cfg = from_dict({"model": {f.name: getattr(m, f.name) for f in dataclasses.fields(m)},
+                     "train": {"init_from": str(hf_dir.resolve())}})
+    header = (f"# Imported by `mshpc import` from {hf_dir.resolve()}: the model is its config.json's,\n"
+              "# the initial weights its safetensors (train.init_from); everything else is a default.\n")
+    out.write_text(header + dump_yaml(cfg))
+    return cfg
+
+
+def check_same_model(m: ModelConfig, hf_m: ModelConfig, hf_dir: Path) -> None:
+    for key in SAME:
+        if getattr(m, key) != getattr(hf_m, key):
+            raise InteropError(f"train.init_from={hf_dir}: its config.json gives {key}={getattr(hf_m, key)!r} "
+                               f"but the config has model.{key}={getattr(m, key)!r} (`mshpc import` writes a matching one)")
+
+
+def load_hf_weights(model: nn.Module, m: ModelConfig, hf_dir: Path) -> None:
+    """Copy the weights of the Hugging Face folder `hf_dir` into `model`, a whole GPT of `m`;
+    an InteropError when the folder's model is not `m` or a tensor's shape differs."""
+    hf = read_hf_config(hf_dir)
+    hf_m = model_config(hf, str(hf_dir), m.mlp_bias)
+    check_same_model(m, hf_m, hf_dir)
+    arch = hf["architectures"][0]
+    with read_safetensors(hf_dir) as src:
+        weights = from_hf(arch, m, src)
+        params = dict(model.named_parameters())
+        if set(params) != set(weights):
+            missing = sorted(set(params) ^ set(weights))
+            raise InteropError(f"train.init_from={hf_dir}: no weight for {missing[0]!r}")
+        with torch.no_grad():
+            for name, p in params.items():
+                if tuple(weights[name].shape) != tuple(p.shape):
+                    raise InteropError(f"train.init_from={hf_dir}: {name} is {list(weights[name].shape)}, "
+                                       f"the model's is {list(p.shape)}")
+                p.copy_(weights[name])
+    log.info("initial weights: %s (%s, %d tensors)", hf_dir, arch, len(params))
+
+
+def initial_model(cfg: Config) -> GPT:
+    """The whole model training starts from: drawn from the seed (the caller seeds), or read
+    from train.init_from. Every rank builds it alike; parallelism then keeps each rank's part."""
+    model = GPT(cfg.model)
+    if cfg.train.init_from is not None:
+        load_hf_weights(model, cfg.model, Path(cfg.train.init_from))
+    return model

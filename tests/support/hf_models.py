@@ -1,0 +1,58 @@
+"""Shared by the Hugging Face export/import tests: tiny mshpc models of each exportable kind, and
+the logits of an mshpc model and of a transformers model on the same tokens."""
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from mshpc.config import Config, ModelConfig, dump_yaml
+from support.ckpt_runs import sharded_checkpoint
+
+# max |a - b| / max |b| over all logits: fp32 on both sides, same math in another order
+MAX_RELATIVE_DIFF = 1e-5
+
+TINY = dict(vocab_size=97, seq_len=32, n_layer=2, n_head=4, d_model=32, fused_kernels="off")
+NEOX_SERIAL = ModelConfig(**TINY, norm="layernorm", mlp="gelu", parallel_block=False, tie_embeddings=False)
+NEOX_PARALLEL = ModelConfig(**TINY, norm="layernorm", mlp="gelu", parallel_block=True)
+LLAMA_GQA = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=2, ffn_dim=48, tie_embeddings=False,
+                        rope_theta=500000.0, norm_eps=1e-6)
+LLAMA_MQA_TIED = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=1)
+
+
+def tokens(m: ModelConfig, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, m.vocab_size, (batch, m.seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf_dir: Path, idx: torch.Tensor) -> torch.Tensor:
+    """Logits of the transformers model `from_pretrained(hf_dir)` loads (the class its config.json names)."""
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()  # no dtype: 4.x and 5.x name it differently
+    assert next(model.parameters()).dtype == torch.float32  # the comparison is fp32 against fp32
+    with torch.no_grad():
+        return model(idx).logits.float()
+
+
+def mshpc_logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(idx).float()
+
+
+def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def checkpoint_run(run_dir: Path, cfg: Config, model: torch.nn.Module) -> Path:
+    """A run directory (config.yaml) whose one checkpoint, `latest`, holds `model`'s weights as
+    its model/ copy, each weight whole in one of 2 shards as dp=2 ranks write it; the step folder."""
+    folder = run_dir / "checkpoints/step-0000003"
+    folder.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    whole = {f"model/{n}": (p.detach().clone(), i % 2) for i, (n, p) in enumerate(model.named_parameters())}
+    sharded_checkpoint(folder, {}, n_shards=2, whole=whole)
+    (run_dir / "checkpoints/latest").symlink_to(folder.name)
+    return folder

@@ -1,0 +1,135 @@
+"""Hugging Face -> mshpc: `mshpc import` writes a config whose model, started from the folder's
+weights (train.init_from), computes transformers' logits; what mshpc cannot compute is refused."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from support.hf_models import MAX_RELATIVE_DIFF, checkpoint_run, hf_logits, mshpc_logits, relative_diff
+from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from mshpc.config import load_config
+from mshpc.errors import InteropError
+from mshpc.interop.hf_import import import_config, initial_model
+
+SHAPE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+             max_position_embeddings=32)
+
+
+def _save(hf_model, path, same_norms=False, mlp_biases=False):
+    """Perturb the norms (and, if asked, the MLP biases) off 1 and 0 so that a misplaced one
+    shows, then save_pretrained into `path` (safetensors)."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if "norm" in name or (mlp_biases and ".mlp." in name and name.endswith("bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+        if same_norms:  # a parallel block has one norm in mshpc: both of NeoX's the same
+            for layer in hf_model.gpt_neox.layers:
+                layer.post_attention_layernorm.load_state_dict(layer.input_layernorm.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_model.save_pretrained(path)
+    return path
+
+
+def neox(parallel, **extra):
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**SHAPE, hidden_act="gelu_pytorch_tanh", rotary_pct=1.0,
+                                            use_parallel_residual=parallel, **extra))
+
+
+def llama(**extra):
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, num_key_value_heads=2, rope_theta=500000.0, **extra))
+
+
+def _imported_logits(tmp_path, hf_dir, idx):
+    cfg = import_config(hf_dir, tmp_path / "imported.yaml")
+    reloaded = load_config(tmp_path / "imported.yaml")
+    assert reloaded == cfg and reloaded.train.init_from == str(hf_dir.resolve())
+    return cfg, mshpc_logits(initial_model(reloaded), idx)
+
+
+@pytest.mark.parametrize("make, parallel, mlp_biases", [
+    (lambda: neox(False), False, False), (lambda: neox(True), True, False),
+    (lambda: neox(False), False, True), (lambda: llama(), False, False),
+    (lambda: llama(tie_word_embeddings=True), False, False),
+], ids=["neox-serial", "neox-parallel", "neox-mlp-biases", "llama-gqa", "llama-tied"])
+def test_imported_model_computes_transformers_logits(tmp_path, make, parallel, mlp_biases):
+    hf_dir = _save(make(), tmp_path / "hf", same_norms=parallel, mlp_biases=mlp_biases)
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    cfg, got = _imported_logits(tmp_path, hf_dir, idx)
+    assert cfg.model.parallel_block is parallel and cfg.model.mlp_bias is mlp_biases
+    assert relative_diff(got, hf_logits(hf_dir, idx)) <= MAX_RELATIVE_DIFF
+
+
+def _config_json(hf_dir, **changes):
+    data = json.loads((hf_dir / "config.json").read_text())
+    data.update(changes)
+    (hf_dir / "config.json").write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(architectures=["GPT2LMHeadModel"]),
+     "architecture 'GPT2LMHeadModel' is not supported (choose LlamaForCausalLM or GPTNeoXForCausalLM)"),
+    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
+     "rope scaling 'llama3' is not implemented in mshpc"),
+    (dict(hidden_act="relu"), "hidden_act='relu' is not implemented in mshpc"),
+    (dict(head_dim=16), "head_dim=16 is not hidden_size/num_attention_heads=8"),
+    (dict(hidden_size="32"), "config.json has no number 'hidden_size' (got '32')"),
+    (dict(rope_scaling={"type": "linear", "factor": 2.0}, rope_parameters=None),
+     "rope scaling 'linear' is not implemented in mshpc"),
+])
+def test_import_refuses_what_mshpc_does_not_compute(tmp_path, changes, message):
+    hf_dir = _save(llama(), tmp_path / "hf")
+    _config_json(hf_dir, **changes)
+    with pytest.raises(InteropError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        import_config(hf_dir, tmp_path / "out.yaml")
+    assert "\n" not in str(err.value) and not (tmp_path / "out.yaml").exists()
+
+
+def test_import_refuses_partial_rotary_and_attention_biases(tmp_path):
+    pythia_like = _save(GPTNeoXForCausalLM(GPTNeoXConfig(**SHAPE, hidden_act="gelu_pytorch_tanh")), tmp_path / "p")
+    with pytest.raises(InteropError, match="rotary on 0.25 of each head is not implemented"):
+        import_config(pythia_like, tmp_path / "out.yaml")
+    model = neox(False)
+    with torch.no_grad():
+        model.gpt_neox.layers[1].attention.dense.bias.fill_(0.5)
+    biased = _save(model, tmp_path / "b")
+    cfg = import_config(biased, tmp_path / "out.yaml")
+    with pytest.raises(InteropError, match=r"gpt_neox.layers.1.attention.dense.bias is not zero, and mshpc's "
+                                           "attention has no biases"):
+        initial_model(cfg)
+
+
+def test_import_reads_no_pickle(tmp_path):
+    hf_dir = _save(llama(), tmp_path / "hf")
+    (hf_dir / "model.safetensors").rename(hf_dir / "pytorch_model.bin")
+    with pytest.raises(InteropError, match="pytorch_model.bin is pickled: mshpc does not load pickles"):
+        import_config(hf_dir, tmp_path / "out.yaml")
+
+
+def test_init_from_refuses_a_config_of_another_model(tmp_path):
+    hf_dir = _save(llama(), tmp_path / "hf")
+    import_config(hf_dir, tmp_path / "out.yaml")
+    cfg = load_config(tmp_path / "out.yaml", ["model.d_model=64", "model.seq_len=16"])
+    with pytest.raises(InteropError, match="config.json gives d_model=32 but the config has model.d_model=64"):
+        initial_model(cfg)
+    shorter = load_config(tmp_path / "out.yaml", ["model.seq_len=16"])  # seq_len is the run's to choose
+    assert torch.equal(initial_model(shorter).tok_embeddings.weight,
+                       initial_model(load_config(tmp_path / "out.yaml")).tok_embeddings.weight)
+
+
+def test_cli_import_then_export_round_trips(tmp_path, capsys):
+    """`mshpc import` and `mshpc export` as a user types them (in this process), end to end."""
+    from mshpc.cli import main
+
+    hf_dir = _save(llama(), tmp_path / "hf")
+    assert main(["import", str(hf_dir), "--out", str(tmp_path / "llama.yaml")]) == 0
+    assert "train.init_from: " + str(hf_dir.resolve()) in capsys.readouterr().out
+    cfg = load_config(tmp_path / "llama.yaml")
+    checkpoint_run(tmp_path / "run", cfg, initial_model(cfg))
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"), "--max-shard-mb", "0.05"]) == 0
+    assert "as LlamaForCausalLM" in capsys.readouterr().out
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    assert relative_diff(hf_logits(tmp_path / "out", idx), hf_logits(hf_dir, idx)) <= MAX_RELATIVE_DIFF
