@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -72,6 +74,46 @@ class EventTail:
         return records
 
 
+class BackgroundLogger:
+    """Runs a logger's writes on a side thread, in order: a TensorBoard row (protobufs) or a W&B
+    row (a message to its service process) costs milliseconds, which the step must not wait for.
+    An error on the thread is raised by the next call on the loop's thread."""
+
+    def __init__(self, logger: Logger, name: str) -> None:
+        self.logger, self.name = logger, name
+        self._queue: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"mshpc-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    getattr(self.logger, item[0])(*item[1])
+                except BaseException as exc:  # handed to the loop's thread, raised there
+                    self._error = exc
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._raise()
+        self._queue.put(("write", (row,)))
+
+    def event(self, record: dict[str, Any], step: int) -> None:
+        self._raise()
+        self._queue.put(("event", (record, step)))
+
+    def close(self) -> None:
+        self._queue.put(("close", ()))
+        self._queue.put(None)
+        self._thread.join()  # a W&B run finishes here: its last rows reach the disk
+        self._raise()
+
+
 class Loggers:
     """Every configured logger; metrics.jsonl first. Events go to the loggers after jsonl (whose
     events are events.jsonl itself)."""
@@ -113,11 +155,11 @@ def build_loggers(cfg: Config, run_dir: Path, jsonl: MetricsLog, start_step: int
             if name == "tensorboard":
                 from mshpc.loggers.tensorboard_log import TensorBoardLogger
 
-                others.append(TensorBoardLogger(run_dir / "tb"))
+                others.append(BackgroundLogger(TensorBoardLogger(run_dir / "tb"), name))
             elif name == "wandb":
                 from mshpc.loggers.wandb_log import WandbLogger
 
-                others.append(WandbLogger(cfg, run_dir, start_step))
+                others.append(BackgroundLogger(WandbLogger(cfg, run_dir, start_step), name))
     except BaseException:
         for logger in others:
             logger.close()

@@ -58,7 +58,8 @@ class WandbLogger:
         run_id = f"{cfg.run.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
         try:
             self.run = wandb.init(project=cfg.run.wandb_project, name=cfg.run.name, id=run_id,
-                                  dir=str(run_dir), config=to_dict(cfg), mode=mode, resume="allow")
+                                  dir=str(run_dir), config=to_dict(cfg), mode=mode, resume="allow",
+                                  settings=wandb.Settings(silent=True))  # its banners: one log line below says it
         except OSError as exc:
             raise RunEnvironmentError(f"run.loggers 'wandb': cannot write {run_dir} ({exc.strerror})") from None
         except wandb.Error as exc:

@@ -13,7 +13,7 @@ import pytest
 from mshpc.config import load_config
 from mshpc.errors import RunEnvironmentError
 from mshpc.events import append_event, read_jsonl
-from mshpc.loggers.sinks import EventTail, Loggers, build_loggers
+from mshpc.loggers.sinks import BackgroundLogger, EventTail, Loggers, build_loggers
 from mshpc.run_dir import MetricsLog
 
 
@@ -98,3 +98,23 @@ def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
         "run.loggers names 'wandb' but the wandb package is not installed: pip install 'mshpc[wandb]' "
         "(or pip install wandb)",
     ]
+
+
+def test_background_logger_keeps_order_and_raises_its_errors_on_the_loop() -> None:
+    rec = Recorder()
+    bg = BackgroundLogger(rec, "rec")
+    rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 201)]
+    for row in rows:
+        bg.write(row)
+    bg.event({"kind": "restart"}, 200)
+    bg.close()  # drains the queue first
+    assert rec.rows == rows and rec.events == [("restart", 200)]
+
+    class Failing(Recorder):
+        def write(self, row: dict[str, Any]) -> None:
+            raise OSError(28, "No space left on device")
+
+    failing = BackgroundLogger(Failing(), "failing")
+    failing.write({"step": 1})
+    with pytest.raises(OSError, match="No space left"):
+        failing.close()
