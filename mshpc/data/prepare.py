@@ -172,8 +172,11 @@ def _build(docs: Iterable[bytes], out_dir: Path, tokenizer: Tokenizer, shard_tok
             (tmp / VAL_DIR).mkdir()
             val = ShardWriter(tmp / VAL_DIR, tokenizer, shard_tokens)
         dropped = _write_split(docs, writer, val, split, tokenizer)
+        if writer.n_tokens == 0 and val is not None and val.n_tokens:
+            raise DataError(f"every document of {source} was held out for validation (lower "
+                            "--val-fraction, or give --val files that are not all the inputs)")
         if writer.n_tokens == 0:
-            raise DataError(f"no training documents in {source} (folders are searched for UTF-8 "
+            raise DataError(f"no text documents in {source} (folders are searched for UTF-8 "
                             f"files named {', '.join(sorted(TEXT_SUFFIXES))})")
         if val is not None:
             if val.n_tokens == 0:

@@ -81,3 +81,6 @@ class WandbLogger:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before wandb's service process has written the run's last records;
+        # stopping the service waits for them (only this process of the run uses it)
+        self.wandb.teardown()
