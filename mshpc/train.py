@@ -249,7 +249,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             losses.append(loss.item())
             # the loss is all-reduced: every rank raises alike, before a NaN can be saved
             check_loss(losses[-1], step, cfg.supervisor.loss_limit)
-            # before the save: a checkpoint of step s implies its validation row was written
+            # after the loss check (a diverged model is not scored); the step's row carries it
             val_row, eval_s = run_eval(evaluator, step, beat)
             beat.phase("checkpoint", step)
             with phase("checkpoint"):  # stage 1 overlaps the next forward and backward, stage 2 the next steps
