@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from mshpc.loggers.tensorboard_log import tag
 from support.ckpt_runs import run
 from support.cli_runner import REPO, SMALL, read_metrics
 from support.rank_runner import run_ranks
+
+from mshpc.loggers.tensorboard_log import tag
 
 # validation after steps 2, 4, 6, 8 (checkpoints at 4, 8); a peak so that MFU is a number on CPU
 EVAL = ["eval.interval_steps=2", "eval.batches=2", "train.peak_tflops=1.0"]
