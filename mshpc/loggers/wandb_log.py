@@ -59,7 +59,9 @@ class WandbLogger:
         try:
             self.run = wandb.init(project=cfg.run.wandb_project, name=cfg.run.name, id=run_id,
                                   dir=str(run_dir), config=to_dict(cfg), mode=mode, resume="allow",
-                                  settings=wandb.Settings(silent=True))  # its banners: one log line below says it
+                                  # silent: one log line below says where it logs; console off:
+                                  # no capture of the process's output, which every log line would pay
+                                  settings=wandb.Settings(silent=True, console="off"))
         except OSError as exc:
             raise RunEnvironmentError(f"run.loggers 'wandb': cannot write {run_dir} ({exc.strerror})") from None
         except wandb.Error as exc:
