@@ -10,7 +10,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 .PHONY: run test lint setup setup-test system-tools clean slurm-up slurm-down cuda-check
 
 run: setup
-	$(BIN)/mshpc train configs/tiny.yaml
+	$(BIN)/mshpc train configs/tiny.yaml --set eval.interval_steps=20
 
 test: lint setup-test system-tools slurm-up cuda-check
 	$(BIN)/python -m pytest tests -q --durations=15

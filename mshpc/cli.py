@@ -45,6 +45,10 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, type=Path, help="dataset folder to create")
     p.add_argument("--tokenizer", default="byte",
                    help="'byte' (default, needs nothing downloaded) or a tokenizers BPE .json file")
+    p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
+                   help="hold out this fraction of the documents (by hash) into OUT/val for eval.*")
+    p.add_argument("--val", nargs="+", type=Path, default=[], metavar="INPUT",
+                   help="text files or folders held out into OUT/val (left out of training)")
     p.set_defaults(func=cmd_prepare)
 
 
@@ -315,7 +319,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 def cmd_prepare(args: argparse.Namespace) -> int:
     from mshpc.data.prepare import prepare_corpus
 
-    out = prepare_corpus(args.inputs, args.out, tokenizer_spec=args.tokenizer)
+    out = prepare_corpus(args.inputs, args.out, tokenizer_spec=args.tokenizer,
+                         val_fraction=args.val_fraction, val_inputs=args.val)
     print(f"prepared {out}")
     return 0
 

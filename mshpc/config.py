@@ -149,6 +149,22 @@ class RunConfig:
     out_dir: str = "runs"
     log_interval_steps: int = _min(1, 1)
     progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a TTY
+    # where rank 0's rows (loss, lr, grad norm, tokens/s, MFU, validation, checkpoint times) and
+    # events go: jsonl (metrics.jsonl, always: diagnose and resume read it), tensorboard
+    # (<run dir>/tb/, pip install 'mshpc[tensorboard]'), wandb (offline without network or with
+    # WANDB_MODE=offline; pip install 'mshpc[wandb]')
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    wandb_project: str = "mshpc"  # the W&B project runs are logged under (the run is run.name)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    # validation loss on the held-out split (<dataset>/val: mshpc prepare --val-fraction; the
+    # embedded corpus has one) after every N-th step; 0 turns it off
+    interval_steps: int = _min(0, 0)
+    # global batches per evaluation: the split's first batches x global_batch windows, in order,
+    # the same ones every time (so the curve compares like with like)
+    batches: int = _min(1, 4)
 
 
 @dataclass(frozen=True)
@@ -196,7 +212,7 @@ class SupervisorConfig:
     # max(floor, timeout_k x its median duration so far); before 3 samples, the floor alone.
     timeout_k: float = _min(1.0, 10.0)
     timeout_floor_s: float = _min(0.1, 60.0)
-    checkpoint_timeout_s: float = _min(0.1, 600.0)  # the checkpoint phase's floor: a long save is no hang
+    checkpoint_timeout_s: float = _min(0.1, 600.0)  # the checkpoint and eval phases' floor: a long save or validation is no hang
     setup_timeout_s: float = _min(0.1, 900.0)  # start-up: imports, rendezvous, resume
     max_restarts: int = _min(0, 3)  # restarts within one allocation (or local run) before giving up
     stop_grace_s: float = _min(0.0, 10.0)  # SIGTERM to every rank, SIGKILL after this
@@ -215,6 +231,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
@@ -249,6 +266,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check `value` against the annotation `tp`; YAML 1.1 reads `3e-4` as a string, so
     floats also accept numeric strings."""
     origin = typing.get_origin(tp)
+    if origin is tuple:  # tuple[X, ...]: a YAML list, each item checked as an X
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} must be a list (e.g. [{_describe(typing.get_args(tp)[0])}])")
+        item = typing.get_args(tp)[0]
+        return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if isinstance(tp, types.UnionType) or origin is typing.Union:
         for arm in typing.get_args(tp):
             try:
@@ -315,8 +337,15 @@ def from_dict(data: dict[str, Any]) -> Config:
     return validate(_build(Config, data, ""))
 
 
+def _plain(value: Any) -> Any:
+    # YAML's safe dumper knows lists, not tuples (the frozen config's sequences)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return list(value) if isinstance(value, tuple) else value
+
+
 def to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    return _plain(dataclasses.asdict(cfg))
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:
@@ -512,6 +541,14 @@ def _check_diagnose(d: DiagnoseConfig) -> None:
             raise ConfigError(f"diagnose.{key}={value} must be between 0 and 1 (a fraction)")
 
 
+def _check_loggers(r: RunConfig) -> None:
+    if "jsonl" not in r.loggers:
+        raise ConfigError(f"run.loggers={list(r.loggers)} must include 'jsonl' (metrics.jsonl is what "
+                          "resume and mshpc diagnose read; add tensorboard or wandb beside it)")
+    if len(set(r.loggers)) != len(r.loggers):
+        raise ConfigError(f"run.loggers={list(r.loggers)} names a logger twice (name each once)")
+
+
 def validate(cfg: Config) -> Config:
     """Check every value and combination; return the config unchanged."""
     _check_minimums(cfg, "")
@@ -523,6 +560,7 @@ def validate(cfg: Config) -> Config:
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} must be <= optim.lr={cfg.optim.lr}")
     _check_diagnose(cfg.diagnose)
+    _check_loggers(cfg.run)
     return cfg
 
 

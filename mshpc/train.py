@@ -20,12 +20,13 @@ from mshpc.config import Config, TrainConfig, resolve_world
 from mshpc.data.loader import BatchLoader
 from mshpc.data.node_reader import ReaderScope
 from mshpc.data.pipeline import build_loader
-from mshpc.data.prepare import dataset_path
+from mshpc.data.prepare import dataset_path, val_dataset_path
 from mshpc.data.shards import TokenDataset
 from mshpc.diagnose.collector import build_collector
 from mshpc.diagnose.mfu import mfu, peak_tflops
-from mshpc.diagnose.timers import phase
+from mshpc.diagnose.timers import EVAL, phase
 from mshpc.errors import ConfigError, MshpcError
+from mshpc.evaluate import Evaluator, build_evaluator
 from mshpc.fault_hooks import NO_FAULTS, FaultHooks
 from mshpc.fault_setup import build_fault_hooks
 from mshpc.interop.hf_import import initial_model
@@ -33,6 +34,7 @@ from mshpc.launch.env import LaunchEnv
 from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
+from mshpc.loggers.sinks import Loggers, build_loggers
 from mshpc.loss_check import check_loss
 from mshpc.mesh_shape import MeshShape
 from mshpc.optim.schedule import build_scheduler
@@ -170,6 +172,44 @@ def build_model_step(cfg: Config, mesh: Mesh, rt: Runtime) -> tuple[ZeroEngine, 
     return split.engine, lambda batch: train_step(split.engine, split.loss_fn, batch, cfg, rt)
 
 
+def build_eval(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, engine: ZeroEngine) -> Evaluator | None:
+    """This rank's evaluator of the held-out split, or None with eval.interval_steps 0. After
+    build_data (rank 0 prepares the embedded corpus there). Collective over the pp group."""
+    if cfg.eval.interval_steps == 0:
+        return None
+    val = TokenDataset.open(val_dataset_path(cfg.data), verify=info.rank == 0)
+    return build_evaluator(cfg, mesh, engine, val, rt.device, rt.autocast_dtype)
+
+
+def run_eval(evaluator: Evaluator | None, step: int, beat: Heartbeat) -> tuple[dict[str, float], float]:
+    """Validation after step `step` (0-based) when it is due: its metrics and its seconds. Its
+    own phase for the timers and the heartbeat: never blamed as a straggler, timed as a long
+    phase by hang detection. Collective over the world."""
+    if evaluator is None or not evaluator.due(step + 1):
+        return {}, 0.0
+    beat.phase("eval", step)
+    start = time.perf_counter()
+    with phase(EVAL):
+        loss = evaluator.evaluate()
+    eval_s = time.perf_counter() - start
+    return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else math.inf, "eval_s": eval_s}, eval_s
+
+
+def open_loggers(cfg: Config, info: DistInfo, start_step: int) -> tuple[Path | None, Loggers | None]:
+    """Rank 0's run directory and loggers (None elsewhere). Collective over the world: a logger
+    that cannot start stops every rank at start-up with its one line."""
+    error = None
+    out: tuple[Path | None, Loggers | None] = (None, None)
+    if info.rank == 0:
+        try:
+            run_dir, metrics = create_run_dir(cfg, start_step)
+            out = run_dir, build_loggers(cfg, run_dir, metrics, start_step)
+        except MshpcError as exc:
+            error = exc
+    comm.raise_if_any_failed(error, "starting the loggers")
+    return out
+
+
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
                  faults: FaultHooks = NO_FAULTS, beat: Heartbeat | None = None) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
@@ -187,10 +227,10 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     start_step = ckpt.resume()
     faults.install_slowdown(engine.model, start_step, cfg.train.grad_accum)
     loader = build_data(cfg, info, mesh, rt, start_step)
+    evaluator = build_eval(cfg, info, mesh, rt, engine)
+    run_dir, loggers = open_loggers(cfg, info, start_step)
     diag = build_collector(cfg, run_path(cfg), info.rank, info.node, rt.device, start_step, rt.peak_tflops)
-    is_logger = info.rank == 0
-    run_dir, metrics = create_run_dir(cfg, start_step) if is_logger else (None, None)
-    progress = Progress(cfg.train.steps, cfg.run.progress if is_logger else "none")
+    progress = Progress(cfg.train.steps, cfg.run.progress if info.rank == 0 else "none")
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     losses: list[float] = []
     beat = beat or start_heartbeat(cfg, None, info.rank, info.node)
@@ -210,20 +250,22 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             losses.append(loss.item())
             # the loss is all-reduced: every rank raises alike, before a NaN can be saved
             check_loss(losses[-1], step, cfg.supervisor.loss_limit)
+            # after the loss check (a diverged model is not scored); the step's row carries it
+            val_row, eval_s = run_eval(evaluator, step, beat)
             beat.phase("checkpoint", step)
             with phase("checkpoint"):  # stage 1 overlaps the next forward and backward, stage 2 the next steps
                 blocking_s = ckpt.maybe_save(step + 1)
-            step_time_s = time.perf_counter() - start
+            step_time_s = time.perf_counter() - start - eval_s  # the training step's own
             tokens_per_s = tokens_per_step / step_time_s
             step_mfu = mfu(tokens_per_s, cfg.model, info.world_size, rt.peak_tflops)
             tflops = diag.end_step(step + 1, tokens_per_s)
-            if metrics is not None and (step + 1) % cfg.run.log_interval_steps == 0:
-                metrics.write({
+            if loggers is not None and ((step + 1) % cfg.run.log_interval_steps == 0 or val_row):
+                loggers.write({
                     "step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
                     "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu, "tflops": tflops,
                     "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
                     "ckpt_stage1_wait_s": stage1_wait_s,
-                    "max_memory_gib": max_memory_gib(rt),
+                    "max_memory_gib": max_memory_gib(rt), **val_row,
                 })
             progress.update(step, losses[-1], tokens_per_s, step_mfu)
             stop = watcher.should_stop()  # collective over the world: all ranks agree
@@ -236,8 +278,10 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     finally:
         diag.close()
         loader.close()
-        if metrics is not None:
-            metrics.close()
+        if evaluator is not None:
+            evaluator.close()
+        if loggers is not None:
+            loggers.close()
     if run_dir is not None:
         log.info("run directory: %s", run_dir)
     return losses

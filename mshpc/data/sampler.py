@@ -14,9 +14,11 @@ class SequenceSampler:
     starting at i * seq_len (neighbours share one token: the last target of i is the first input of
     i + 1). Global sample g = step * global_batch + j is window perm_e[g % N] of epoch e = g // N,
     where perm_e is a permutation drawn from PCG64 seeded with (seed, e). Resuming needs no replay.
+    With `shuffle` False every epoch is in order: the validation windows, the same every time.
     """
 
-    def __init__(self, n_tokens: int, seq_len: int, global_batch: int, seed: int) -> None:
+    def __init__(self, n_tokens: int, seq_len: int, global_batch: int, seed: int,
+                 shuffle: bool = True) -> None:
         assert seq_len >= 1 and global_batch >= 1, (seq_len, global_batch)
         self.n_windows = (n_tokens - 1) // seq_len
         if self.n_windows < 1:
@@ -27,6 +29,7 @@ class SequenceSampler:
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.seed = seed
+        self.shuffle = shuffle
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -34,8 +37,11 @@ class SequenceSampler:
             # Keep two epochs: a batch that straddles an epoch boundary needs both.
             if len(self._perms) >= 2:
                 del self._perms[min(self._perms)]
-            rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
-            self._perms[epoch] = rng.permutation(self.n_windows)
+            if self.shuffle:
+                rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+                self._perms[epoch] = rng.permutation(self.n_windows)
+            else:
+                self._perms[epoch] = np.arange(self.n_windows)
         return self._perms[epoch]
 
     def epoch_of(self, step: int) -> int:

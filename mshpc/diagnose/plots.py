@@ -17,7 +17,8 @@ from mshpc.diagnose.timings import RankInfo
 
 DPI = 110
 COLOURS = {"compute": "#4878d0", "communication": "#ee854a", "data wait": "#6acc64", "bubble": "#d65f5f",
-           "checkpoint": "#956cb4", "other": "#bbbbbb"}
+           "checkpoint": "#956cb4", "eval": "#8c613c", "other": "#bbbbbb"}
+VAL = "#d62728"  # the validation curve beside the training loss
 SLOW = "#c0392b"  # a straggler's label
 MAX_LABELLED_RANKS = 64  # past this, per-rank labels would overprint
 
@@ -34,10 +35,15 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 
 def loss_and_mfu(a: Analysis, path: Path) -> Path:
-    """Loss, and MFU (or achieved TFLOP/s per device where no peak is known) over steps."""
+    """Training loss with the validation loss beside it (eval.*), and MFU (or achieved TFLOP/s
+    per device where no peak is known) over steps."""
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
     logged = [r for r in a.metrics if r.get("loss") is not None]
-    top.plot([r["step"] for r in logged], [r["loss"] for r in logged], color="#333333", lw=1)
+    top.plot([r["step"] for r in logged], [r["loss"] for r in logged], color="#333333", lw=1, label="training")
+    val = [(r["step"], r["val_loss"]) for r in a.metrics if r.get("val_loss") is not None]
+    if val:
+        top.plot(*zip(*val, strict=True), color=VAL, lw=1.5, marker="o", ms=3, label="validation")
+        top.legend(fontsize=8, frameon=False)
     top.set_ylabel("loss")
     mfu = [(r["step"], r["mfu"]) for r in a.metrics if r.get("mfu") is not None]
     if mfu:
@@ -50,7 +56,7 @@ def loss_and_mfu(a: Analysis, path: Path) -> Path:
         if e.get("kind") == "mfu_decline":
             bottom.axvline(e["step"], color=SLOW, ls="--", lw=1)
     bottom.set_xlabel("step")
-    top.set_title("loss and MFU" + ("  (dashed: MFU decline events)" if any(
+    top.set_title(("training and validation loss" if val else "loss") + " and MFU" + ("  (dashed: MFU decline events)" if any(
         e.get("kind") == "mfu_decline" for e in a.events) else ""))
     return _save(fig, path)
 

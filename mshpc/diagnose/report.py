@@ -44,6 +44,10 @@ def summary_lines(a: Analysis) -> list[str]:
                      f"(score < {a.cfg.diagnose.straggler_threshold})")
     lines.append(_biggest_phase(a))
     lines.append(_mfu_line(a))
+    val = [(r["step"], r["val_loss"]) for r in a.metrics if r.get("val_loss") is not None]
+    if val:
+        lines.append(f"validation loss: {val[0][1]:.4g} at step {val[0][0]} -> {val[-1][1]:.4g} at step "
+                     f"{val[-1][0]} ({len(val)} evaluations)")
     return lines
 
 
@@ -134,7 +138,7 @@ def write_report(run_dir: Path) -> tuple[Path, list[str]]:
     a = analyse(run_dir)
     out = run_dir / REPORT_DIR
     out.mkdir(exist_ok=True)
-    images = {"Loss and MFU": plots.loss_and_mfu(a, out / "loss_mfu.png").name}
+    images = {"Loss (training and validation) and MFU": plots.loss_and_mfu(a, out / "loss_mfu.png").name}
     if a.timings is not None:
         images.update({
             "Compute time per rank (stragglers are bright rows)": plots.compute_heatmap(a, out / "heatmap.png").name,

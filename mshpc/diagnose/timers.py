@@ -26,13 +26,14 @@ from typing import Any
 import torch
 
 # Phase names the train loop uses; collectives are "comm.<op>" (mshpc/parallel/comm.py).
-DATA, FORWARD, BACKWARD, OPTIMIZER, CHECKPOINT, OTHER = (
-    "data", "forward", "backward", "optimizer", "checkpoint", "other")
+DATA, FORWARD, BACKWARD, OPTIMIZER, CHECKPOINT, EVAL, OTHER = (
+    "data", "forward", "backward", "optimizer", "checkpoint", "eval", "other")
 COMM_PREFIX = "comm."
 PIPELINE_PREFIX = "pipeline."
 # Point-to-point waits are where a pipeline stage idles for its neighbour: the bubble.
 P2P_OPS = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv"})
-CATEGORIES = ("compute", "communication", "data wait", "bubble", "checkpoint", "other")
+# "eval" (validation, every eval.interval_steps) is its own: no rank is blamed for it
+CATEGORIES = ("compute", "communication", "data wait", "bubble", "checkpoint", "eval", "other")
 
 
 @functools.cache  # a handful of names, asked for every step and rank
@@ -42,7 +43,7 @@ def category(phase: str) -> str:
         return "bubble" if phase[len(COMM_PREFIX):] in P2P_OPS else "communication"
     if phase.startswith(PIPELINE_PREFIX):
         return "bubble"
-    return {DATA: "data wait", CHECKPOINT: "checkpoint", OTHER: "other"}.get(phase, "compute")
+    return {DATA: "data wait", CHECKPOINT: "checkpoint", EVAL: "eval", OTHER: "other"}.get(phase, "compute")
 
 
 class CpuClock:

@@ -72,6 +72,11 @@ BAD = [
     (["optim.lr"], "override 'optim.lr' must look like section.key=value"),
     (["diagnose.straggler_threshold=1.1"], "diagnose.straggler_threshold=1.1 must be between 0 and 1"),
     (["diagnose.mfu_window_steps=0"], "diagnose.mfu_window_steps=0 must be >= 1"),
+    (["run.loggers=[jsonl,tb]"], "run.loggers[1]='tb' is not a valid choice (choose 'jsonl' or 'tensorboard' or 'wandb')"),
+    (["run.loggers=jsonl"], "run.loggers='jsonl' must be a list"),
+    (["run.loggers=[wandb]"], "run.loggers=['wandb'] must include 'jsonl'"),
+    (["run.loggers=[jsonl,jsonl]"], "names a logger twice"),
+    (["eval.batches=0"], "eval.batches=0 must be >= 1"),
 ]
 
 
@@ -101,6 +106,14 @@ def test_world_size_must_divide_by_model_parallel():
     assert resolve_world(cfg, 4).parallel.dp == 2
     with pytest.raises(ConfigError, match=r"world size 3 is not divisible by parallel.tp\*parallel.pp=2"):
         resolve_world(cfg, 3)
+
+
+def test_loggers_and_eval_load_and_round_trip(tmp_path):
+    cfg = load_config(REPO / "configs/tiny.yaml", ["run.loggers=[jsonl, tensorboard, wandb]", "eval.interval_steps=5"])
+    assert cfg.run.loggers == ("jsonl", "tensorboard", "wandb") and cfg.eval.interval_steps == 5
+    (tmp_path / "c.yaml").write_text(dump_yaml(cfg))  # a YAML list, read back as the same tuple
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert load_config(None).run.loggers == ("jsonl",) and load_config(None).eval.interval_steps == 0
 
 
 def test_global_batch():

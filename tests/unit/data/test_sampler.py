@@ -61,3 +61,12 @@ def test_dataset_smaller_than_one_window_is_rejected() -> None:
     with pytest.raises(DataError, match="fewer than one window of seq_len \\+ 1 = 17"):
         SequenceSampler(SEQ, SEQ, 1, seed=0)
     SequenceSampler(SEQ + 1, SEQ, 1, seed=0)  # exactly one window is enough
+
+
+def test_unshuffled_sampler_walks_the_windows_in_order() -> None:
+    # the validation windows: batch b of every evaluation is windows b*G .. b*G + G - 1, each dp
+    # rank its contiguous share, wrapping around a split smaller than the batches asked for
+    s = SequenceSampler(n_tokens=10 * 4 + 1, seq_len=4, global_batch=4, seed=7, shuffle=False)
+    assert s.windows(0, 0, 1).tolist() == [0, 1, 2, 3]
+    assert s.windows(1, 1, 2).tolist() == [6, 7]
+    assert s.windows(2, 0, 1).tolist() == [8, 9, 0, 1]

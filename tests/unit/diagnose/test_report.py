@@ -24,7 +24,8 @@ def make_run(run_dir):
     with (run_dir / "metrics.jsonl").open("w") as f:
         for step, rec in records[0].items():
             tflops = 1.0 / rec["step_s"]
-            f.write(json.dumps({"step": step, "loss": 5.0 - step / 100, "tflops": tflops, "mfu": tflops / 4}) + "\n")
+            val = {"val_loss": 5.5 - step / 100} if step % 50 == 0 else {}  # eval.interval_steps=50
+            f.write(json.dumps({"step": step, "loss": 5.0 - step / 100, "tflops": tflops, "mfu": tflops / 4, **val}) + "\n")
     append_event(run_dir, "mfu_decline", step=60, median_tflops=2.6, best_tflops=3.0, drop=0.13)
 
 
@@ -49,6 +50,7 @@ def test_report_on_a_3d_mesh(tmp_path):
     # the peak is recovered from the logged (mfu, tflops) pairs: MFU, not TFLOP/s
     assert any(line.startswith("MFU trend: MFU 0.") and "1 decline event(s), first at step 60" in line
                for line in lines)
+    assert "validation loss: 5 at step 50 -> 4 at step 150 (3 evaluations)" in lines
     page = (run / "report" / "index.html").read_text()
     assert page.count("<img src=") == 4 and "https://" not in page and "<script" not in page
     assert "r5 (tp)" in page  # rank 4's slowest dependency in the ranks table

@@ -47,6 +47,19 @@ def test_data_wait_straggler_names_its_phase():
     assert [(f.rank, f.category, f.phase) for f in flags] == [(2, "data wait", "data")]
 
 
+def test_a_rank_slow_in_validation_is_not_blamed():
+    # every step evaluates (eval.interval_steps=1) and rank 2's validation takes 3x the
+    # others': counted as compute that would flag it; its own phase, it is not blamed
+    records = synthetic(120, seed=1)
+    for step in range(1, 121):
+        for r, rank_records in enumerate(records):
+            rec = rank_records[step]
+            rec["phases"]["eval"] = 0.5 * (3 if r == 2 else 1)
+            rec["step_s"] += rec["phases"]["eval"]
+    detector, flags = run_detector(records)
+    assert flags == [] and detector.current() == []
+
+
 def test_individual_score_tells_a_rank_that_slowed_down_from_one_that_was_always_slow():
     late = run_detector(synthetic(200, 3, slow_rank=1, slow_from=100, factor=1.3))[0].current()
     always = run_detector(synthetic(200, 3, slow_rank=1, slow_from=0, factor=1.3))[0].current()

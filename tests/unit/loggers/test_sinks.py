@@ -1,0 +1,120 @@
+"""The loggers' fan-out: every row to every logger, events handed on once each across attempts,
+and a logger that cannot start is one line at start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mshpc.config import load_config
+from mshpc.errors import RunEnvironmentError
+from mshpc.events import append_event, read_jsonl
+from mshpc.loggers.sinks import BackgroundLogger, EventTail, Loggers, build_loggers
+from mshpc.run_dir import MetricsLog
+
+
+class Recorder:
+    """A logger that keeps what it is given (the interface's simplest implementation)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.events: list[tuple[str, int]] = []
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def event(self, record: dict[str, Any], step: int) -> None:
+        self.events.append((record["kind"], step))
+
+    def close(self) -> None:
+        pass
+
+
+def test_rows_reach_every_logger_and_events_are_handed_on_once(tmp_path: Path) -> None:
+    append_event(tmp_path, "supervisor_start")
+    rec = Recorder()
+    loggers = Loggers(MetricsLog(tmp_path / "metrics.jsonl", 0), [rec], EventTail(tmp_path))
+    loggers.write({"step": 1, "loss": 5.0})
+    append_event(tmp_path, "straggler", rank=1)
+    loggers.write({"step": 2, "loss": 4.0})
+    loggers.close()
+    assert rec.rows == [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}]
+    assert read_jsonl(tmp_path / "metrics.jsonl") == rec.rows
+    assert rec.events == [("supervisor_start", 1), ("straggler", 2)]
+    # the next attempt hands on what the supervisor wrote in between, and nothing again
+    append_event(tmp_path, "failure_detected")
+    append_event(tmp_path, "restart")
+    again = Recorder()
+    loggers = Loggers(MetricsLog(tmp_path / "metrics.jsonl", 2), [again], EventTail(tmp_path))
+    loggers.write({"step": 3, "loss": 3.0})
+    loggers.close()
+    assert again.events == [("failure_detected", 3), ("restart", 3)]
+
+
+def test_a_line_still_being_written_waits(tmp_path: Path) -> None:
+    append_event(tmp_path, "resumed")
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write('{"kind": "strag')  # the writer's next write() finishes it
+    tail = EventTail(tmp_path)
+    assert [r["kind"] for r in tail.new()] == ["resumed"]
+    with (tmp_path / "events.jsonl").open("a") as f:
+        f.write('gler"}\n')
+    assert [r["kind"] for r in tail.new()] == ["straggler"]
+
+
+def test_unwritable_tensorboard_folder_is_one_line_at_start(tmp_path: Path) -> None:
+    (tmp_path / "tb").write_text("a file where the folder goes")
+    cfg = load_config(None, ["run.loggers=[jsonl,tensorboard]"])
+    metrics = MetricsLog(tmp_path / "metrics.jsonl", 0)
+    with pytest.raises(RunEnvironmentError, match=r"run.loggers 'tensorboard': cannot write .*tb") as info:
+        build_loggers(cfg, tmp_path, metrics, 0)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
+    # a fresh interpreter in which the package cannot be imported, as where it is not installed
+    code = (
+        "import sys; sys.modules['torch.utils.tensorboard'] = None; sys.modules['wandb'] = None\n"
+        "from pathlib import Path\n"
+        "from mshpc.config import load_config\nfrom mshpc.errors import ConfigError\n"
+        "from mshpc.loggers.sinks import build_loggers\nfrom mshpc.run_dir import MetricsLog\n"
+        f"tmp = Path({str(tmp_path)!r})\n"
+        "for name in ('tensorboard', 'wandb'):\n"
+        "    try:\n"
+        "        build_loggers(load_config(None, [f'run.loggers=[jsonl,{name}]']), tmp, MetricsLog(tmp / 'm.jsonl', 0), 0)\n"
+        "    except ConfigError as exc:\n"
+        "        print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [
+        "run.loggers names 'tensorboard' but the tensorboard package is not installed: "
+        "pip install 'mshpc[tensorboard]' (or pip install tensorboard)",
+        "run.loggers names 'wandb' but the wandb package is not installed: pip install 'mshpc[wandb]' "
+        "(or pip install wandb)",
+    ]
+
+
+def test_background_logger_keeps_order_and_raises_its_errors_on_the_loop() -> None:
+    rec = Recorder()
+    bg = BackgroundLogger(rec, "rec")
+    rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 201)]
+    for row in rows:
+        bg.write(row)
+    bg.event({"kind": "restart"}, 200)
+    bg.close()  # drains the queue first
+    assert rec.rows == rows and rec.events == [("restart", 200)]
+
+    class Failing(Recorder):
+        def write(self, row: dict[str, Any]) -> None:
+            raise OSError(28, "No space left on device")
+
+    failing = BackgroundLogger(Failing(), "failing")
+    failing.write({"step": 1})
+    with pytest.raises(OSError, match="No space left"):
+        failing.close()
