@@ -398,7 +398,10 @@ def supervise_local(cfg: Config, argv: list[str], nproc: int) -> int:
     per = cfg.supervisor.ranks_per_slot
 
     def start(attempt: int, active: list[str], env: dict[str, str]) -> Ranks:
-        return _LocalAttempt(LocalRanks(argv, [{**env, "MSHPC_NODE": active[r // per]} for r in range(nproc)]))
+        # the first rank of each slot starts the slot's heartbeat relay (launch/node_relay.py)
+        return _LocalAttempt(LocalRanks(argv, [{**env, "MSHPC_NODE": active[r // per],
+                                                "MSHPC_NODE_RELAY_START": "1" if r % per == 0 else "0"}
+                                               for r in range(nproc)]))
 
     sup = Supervisor(cfg, nproc, NodePool(hosts, needed, cfg.supervisor.evict_after), start, "127.0.0.1")
     with stop_signals_to(sup.request_stop):
