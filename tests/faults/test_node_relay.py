@@ -19,18 +19,18 @@ INTERVAL_S = 0.1
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
 
-RANK = """
+RANK = f"""
 import sys, time
 from mshpc.launch.env import supervisor_link
 from mshpc.launch.heartbeat import Heartbeat, RelayPlan
 from mshpc.save_schedule import SaveSchedule
 rank, node, start = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
 link = supervisor_link()
-with Heartbeat(link, {"rank": rank, "host": node, "coords": "(dp=0, tp=0, pp=0)"}, %r, SaveSchedule(0, 100),
+with Heartbeat(link, {{"rank": rank, "host": node, "coords": "(dp=0, tp=0, pp=0)"}}, {INTERVAL_S}, SaveSchedule(0, 100),
                relay=RelayPlan(node, start)) as beat:
     beat.phase("step", 0)
     time.sleep(60)
-""" % INTERVAL_S
+"""
 
 
 def wait_until(condition, within_s: float) -> float:
