@@ -15,7 +15,7 @@ crashed node (its connection drops), a stuck collective (a rank beats on but nev
 collective its peers wait in), then a straggler (3x slower steps) in an attempt that finishes.
 The first three are each blamed on their node, which is evicted (`evict_after=1`) for a spare.
 
-    .venv/bin/python benchmarks/scale/sim_nodes.py [--n 8 64 512 4096 12288]
+    .venv/bin/python benchmarks/scale/sim_nodes.py [--n 8 64 512 2048 4096 12288] [--measure-s 30]
 
 prints one JSON line per figure and N (supervisor CPU in cores at 1 Hz beats, its peak RSS,
 time to register every rank, time to detect the silent rank past its timeout, time to write the
@@ -204,8 +204,8 @@ class SimNodes:
     def __init__(self, hosts: list[str], env: dict[str, str], fault: Fault, timing: Timing, process: bool) -> None:
         host, port = env["MSHPC_SUPERVISOR"].rsplit(":", 1)
         self.address, self.token = (host, int(port)), env["MSHPC_SUPERVISOR_TOKEN"]
-        self.started_at = time.monotonic()
-        self.registered_s: float | None = None
+        self.connect_at = time.monotonic()  # when the nodes begin to connect, all at once
+        self.registered_s: float | None = None  # from then until the supervisor knew every rank
         self.clock = _Clock()
         self.ended_at: float | None = None
         self._proc: subprocess.Popen[str] | None = None
@@ -214,6 +214,9 @@ class SimNodes:
             spec = json.dumps({"address": self.address, "token": self.token, "hosts": hosts, "fault": asdict(fault),
                                "timing": asdict(timing)})
             self._proc = subprocess.Popen([sys.executable, __file__, "--nodes", spec], stdout=subprocess.PIPE, text=True)
+            assert self._proc.stdout is not None
+            said = self._proc.stdout.readline()  # after its start-up (CLOCK_MONOTONIC is the machine's)
+            self.connect_at = json.loads(said)["connect_at"] if said else self.connect_at
         else:
             self._loop: asyncio.AbstractEventLoop | None = None
             self._stop: asyncio.Event | None = None
@@ -244,7 +247,7 @@ class SimNodes:
 
     def update(self, states: dict[int, RankState]) -> None:
         if self.registered_s is None and all(s.host is not None for s in states.values()):
-            self.registered_s = time.monotonic() - self.started_at
+            self.registered_s = time.monotonic() - self.connect_at
         if not self.done():
             return
         self.ended_at = self.ended_at or time.time()
@@ -283,6 +286,7 @@ def _nodes_main(spec_json: str) -> None:
                         Timing(**spec["timing"]), clock, stop)
 
     _raise_nofile(len(spec["hosts"]) + FD_MARGIN)
+    print(json.dumps({"connect_at": time.monotonic()}), flush=True)
     asyncio.run(main())
     print(json.dumps({"fired_wall": clock.fired_wall}), flush=True)
 
@@ -410,7 +414,7 @@ def _one(world: int, seed: int, measure_s: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[8, 64, 512, 4096, 12288])
+    parser.add_argument("--n", type=int, nargs="+", default=[8, 64, 512, 2048, 4096, 12288])
     parser.add_argument("--measure-s", type=float, default=30.0, help="seconds of 1 Hz beats the CPU is measured over")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nodes", help=argparse.SUPPRESS)

@@ -4,6 +4,7 @@ protocol (benchmarks/scale/sim_nodes.py), one fault per attempt: a silent rank, 
 stuck collective, then a straggler in an attempt that finishes."""
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,3 +58,14 @@ def test_every_fault_among_256_ranks_is_detected_reported_and_its_node_evicted(t
     assert [e["node"] for e in evicted] == blamed
     assert [e["replacement"] for e in evicted] == hosts[-3:]
     assert [f["fault_class"] for f in out.of("classified")] == ["node_fault", "node_fault", "unknown"]
+
+
+def test_a_world_past_this_machine_stops_with_one_line_naming_the_largest():
+    sim = load_sim_nodes()
+    too_many = (sim.largest_world() // 8 + 1) * 8
+    out = subprocess.run([sys.executable, str(SIM_NODES), "--n", "8", str(too_many)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.strip() == (f"sim_nodes: N={too_many} is past this machine: the largest N it holds is "
+                                  f"{sim.largest_world()} (RLIMIT_NOFILE hard limit and local port range, one "
+                                  "connection per node of 8)")
