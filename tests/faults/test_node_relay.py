@@ -5,15 +5,13 @@ frozen is that rank only: its peers on the node go on beating. (Here, not in uni
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from mshpc.launch.monitor import NODE_PROTOCOL, Monitor
-from mshpc.launch.node_relay import line, node_hello, rank_envelope
+from mshpc.launch.monitor import Monitor
 
 INTERVAL_S = 0.1
 NODES, PER_NODE = 2, 2
@@ -82,26 +80,3 @@ def test_ranks_report_through_one_connection_per_node_and_a_lost_rank_is_that_ra
     monitor.request_dumps(10)  # through the relays, to every live rank
     assert all(monitor.ranks[r].dump is not None for r in range(1, WORLD))
     assert "Thread" in monitor.ranks[1].dump["stacks"]
-
-
-def test_a_relay_of_another_protocol_version_or_token_speaks_for_nobody():
-    monitor = Monitor(2, "tok", hello_timeout_s=1.0)
-    try:
-        for hello in ({**node_hello("tok", "n", 1), "v": NODE_PROTOCOL + 1}, node_hello("other", "n", 1)):
-            conn = socket.create_connection(("127.0.0.1", monitor.port), timeout=10)
-            conn.sendall(line(hello) + line(rank_envelope(0, {"type": "hello", "token": "tok", "rank": 0})))
-            assert conn.recv(10) == b""  # dropped
-            conn.close()
-        conn = socket.create_connection(("127.0.0.1", monitor.port), timeout=10)
-        conn.sendall(line(node_hello("tok", "n", 1)) + line(rank_envelope(1, {"type": "hello", "token": "tok", "rank": 1}))
-                     + line({"type": "beats", "beats": [{"rank": 0, "age_s": 0.0, "phase": "step", "step": 3,
-                                                         "phase_s": 0.0, "medians": {}, "counts": {}, "last": None}]})
-                     + line({"type": "beats", "beats": [{"rank": 1, "age_s": 0.5, "phase": "step", "step": 4,
-                                                         "phase_s": 0.0, "medians": {}, "counts": {}, "last": None}]}))
-        wait_until(lambda: monitor.ranks[1].step == 4, 10)
-        assert monitor.ranks[0].host is None and monitor.ranks[0].step == -1  # not its to speak for
-        assert time.monotonic() - monitor.ranks[1].last_beat_at >= 0.5  # dated when the rank beat
-        conn.close()
-        wait_until(lambda: monitor.ranks[1].closed_at is not None, 10)  # the node's end is its ranks'
-    finally:
-        monitor.close()
