@@ -20,7 +20,7 @@ from typing import Literal
 
 from mshpc.config import SupervisorConfig
 from mshpc.launch.monitor import RankState
-from mshpc.launch.timeouts import PhaseTimeout, phase_timeout
+from mshpc.launch.timeouts import phase_timeout
 
 Kind = Literal["crash", "hang", "loss", "user_error"]
 USER_ERROR_EXIT = 2  # what the CLI exits with on any MshpcError
@@ -76,7 +76,9 @@ def is_echo(s: RankState) -> bool:
 def first_failure(states: dict[int, RankState]) -> tuple[RankState, float] | None:
     """The failure to name and when it happened: the earliest that is not an echo, else the
     earliest echo."""
-    failed = [(s, t) for s in states.values() if (t := _ended_at(s)) is not None]
+    failed = [(s, t) for s in states.values()  # most ranks have not ended: three reads rule them out
+              if (s.outcome is not None or s.closed_at is not None or s.exited_at is not None)
+              and (t := _ended_at(s)) is not None]
     causes = [(s, t) for s, t in failed if not is_echo(s)]
     return min(causes or failed, key=lambda st: st[1], default=None)
 
@@ -109,17 +111,24 @@ def _slowest_medians(states: dict[int, RankState]) -> dict[str, float]:
 
 
 def _hang(states: dict[int, RankState], cfg: SupervisorConfig, now: float, started_at: float) -> Detection | None:
-    worst = None
-    slowest = _slowest_medians(states)
-    timeouts: dict[str, PhaseTimeout] = {}
+    """The rank furthest past its phase's timeout. Within a phase every rank has the same timeout,
+    so only each phase's earliest entered rank can be it: one tight pass over the ranks (this runs
+    every poll, at 12,288 ranks too), then one timeout per phase."""
+    earliest: dict[str, tuple[float, RankState]] = {}  # phase -> (entered at, the rank), supervisor's clock
     for s in states.values():
-        if s.ended:
-            continue
-        timeout = timeouts.get(s.phase)
-        if timeout is None:
-            seen = [slowest[s.phase]] if s.phase in slowest else []
-            timeout = timeouts[s.phase] = phase_timeout(cfg, s.phase, seen)
-        stuck = s.stuck_s(now, started_at)
+        if s.outcome is not None or s.closed_at is not None or s.exited_at is not None:
+            continue  # ended (RankState.ended)
+        at = started_at if s.last_beat_at is None else s.last_beat_at - s.phase_s  # now - RankState.stuck_s
+        first = earliest.get(s.phase)
+        if first is None or at < first[0]:
+            earliest[s.phase] = (at, s)
+    # a phase's timeout is at least its floor (no medians): past it, the medians are read at all
+    past_floor = {p: first for p, first in earliest.items() if now - first[0] > phase_timeout(cfg, p, []).seconds}
+    worst = None
+    slowest = _slowest_medians(states) if past_floor else {}
+    for phase, (at, s) in past_floor.items():
+        timeout = phase_timeout(cfg, phase, [slowest[phase]] if phase in slowest else [])
+        stuck = now - at
         if stuck > timeout.seconds and (worst is None or stuck - timeout.seconds > worst[1]):
             worst = (s, stuck - timeout.seconds, stuck, timeout)
     if worst is None:
@@ -142,7 +151,6 @@ def all_finished(states: dict[int, RankState]) -> bool:
 def stop_request(states: dict[int, RankState]) -> int | None:
     """The exit code of a requested stop (the preemption checkpoint), once a rank reports one."""
     for s in states.values():
-        outcome = s.outcome or {}
-        if outcome.get("how") == "stopped":
-            return int(outcome["code"] or 0)
+        if s.outcome is not None and s.outcome.get("how") == "stopped":
+            return int(s.outcome["code"] or 0)
     return None
