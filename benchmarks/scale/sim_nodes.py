@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:  # mshpc of this checkout, when run as a script
 from mshpc.config import Config, RunConfig, SupervisorConfig, TrainConfig  # noqa: E402
 from mshpc.events import EVENTS_FILE  # noqa: E402
 from mshpc.launch.monitor import RankState  # noqa: E402
-from mshpc.launch.node_relay import beat_entry, beats_message, closed_message, line, node_hello, rank_envelope  # noqa: E402
+from mshpc.launch.node_relay import closed_message, line, node_hello, rank_envelope  # noqa: E402
 from mshpc.launch.recovery import NodePool  # noqa: E402
 from mshpc.launch.supervisor import Supervisor  # noqa: E402
 
@@ -97,41 +97,57 @@ class _Clock:
         return time.monotonic() - self.start
 
 
-def _counts(step: int, node: int, behind: bool) -> dict[str, int]:
-    """Collectives entered: two on the world and one on the node's tp group per step; in the hang,
-    the step's first world collective entered by all but the missing rank."""
-    group = json.dumps(list(range(node * NODE_SIZE, (node + 1) * NODE_SIZE)), separators=(", ", ": "))
-    return {"world": 2 * step + (0 if behind else 1), group: step}
+def _tp_group(node: int) -> str:
+    """The node's tp group, named as mshpc/parallel/comm.py names a group: its ranks as JSON."""
+    return json.dumps(list(range(node * NODE_SIZE, (node + 1) * NODE_SIZE)), separators=(", ", ": "))
 
 
 class _Rank:
-    def __init__(self, rank: int, fault: Fault, timing: Timing, clock: _Clock) -> None:
-        self.rank, self.fault, self.timing, self.clock = rank, fault, timing, clock
-        self.straggler = fault.kind == "straggler" and fault.rank == rank
+    def __init__(self, rank: int, fault: Fault, timing: Timing, clock: _Clock, group: str) -> None:
+        self.rank, self.fault, self.timing, self.clock, self.group = rank, fault, timing, clock, group
+        self.step_s = timing.step_s * (3 if fault.kind == "straggler" and fault.rank == rank else 1)
+        self.medians = {"data": 0.01 * self.step_s, "step": self.step_s}
+        self.hit = fault.rank == rank and fault.kind in ("silent", "stuck")
+        self.hangs = fault.kind in ("silent", "stuck")
 
-    @property
-    def hit(self) -> bool:
-        return self.fault.rank == self.rank and self.fault.kind in ("silent", "stuck")
+        # the constant parts of its messages, serialized once: 1,536 nodes' beats every second
+        # must fit in one process beside the supervisor on 2 cores
+        self._medians_json, self._group_json = json.dumps(self.medians), json.dumps(group)
 
-    def hung(self) -> bool:
-        return self.fault.kind in ("silent", "stuck") and self.clock.fired_wall is not None
+    def where(self) -> tuple[int, float, int]:
+        """(step, seconds in its phase, world collectives entered). Two world collectives and one
+        on the node's tp group per step; in the hang, everyone waits in the first world collective
+        of the step the fault began in, which the missing rank never entered."""
+        now = self.clock.now()
+        hung = self.hangs and self.clock.fired_wall is not None
+        if hung:
+            step, phase_s = int(self.fault.at_s / self.step_s), now - self.fault.at_s
+        else:
+            step, phase_s = int(now / self.step_s), now % self.step_s
+        return step, phase_s, 2 * step + (0 if hung and self.hit else 1)
 
     def beat(self) -> dict[str, Any]:
-        now, step_s = self.clock.now(), self.timing.step_s * (3 if self.straggler else 1)
-        if self.hung():  # everyone waits in the first collective of the step the fault began in
-            step, phase_s = int(self.fault.at_s / step_s), now - self.fault.at_s
-        else:
-            step, phase_s = int(now / step_s), now % step_s
-        behind = self.hung() and self.hit
-        counts = _counts(step, self.rank // NODE_SIZE, behind)
-        return {"type": "beat", "phase": "step", "step": step, "phase_s": phase_s,
-                "medians": {"data": 0.01 * step_s, "step": step_s}, "counts": counts,
-                "last": [counts["world"], "world", "all_reduce", 4096]}
+        """Its beat, as Heartbeat._beat shapes it."""
+        step, phase_s, world = self.where()
+        return {"type": "beat", "phase": "step", "step": step, "phase_s": phase_s, "medians": self.medians,
+                "counts": {"world": world, self.group: step}, "last": [world, "world", "all_reduce", 4096]}
+
+    def beat_json(self) -> str:
+        """beat_entry(rank, beat(), 0.0) as JSON, built from the parts (the test checks they agree)."""
+        step, phase_s, world = self.where()
+        return (f'{{"phase":"step","step":{step},"phase_s":{phase_s!r},"medians":{self._medians_json},'
+                f'"counts":{{"world":{world},{self._group_json}:{step}}},"last":[{world},"world","all_reduce",4096],'
+                f'"rank":{self.rank},"age_s":0.0}}')
 
     def dump(self) -> dict[str, Any]:
         counts = self.beat()["counts"]
         return {"type": "dump", "stacks": f"Thread 0x1 (most recent call first):\n  <simulated rank {self.rank}>\n",
                 "records": [[counts["world"], "world", "all_reduce", 4096]], "counts": counts}
+
+
+def beats_line(ranks: list[_Rank]) -> bytes:
+    """beats_message of these ranks' beats, as one line."""
+    return ('{"type":"beats","beats":[' + ",".join(r.beat_json() for r in ranks) + "]}\n").encode()
 
 
 async def run_node(address: tuple[str, int], token: str, host: str, node: int, fault: Fault, timing: Timing,
@@ -141,7 +157,8 @@ async def run_node(address: tuple[str, int], token: str, host: str, node: int, f
         reader, writer = await asyncio.open_connection(*address)
     except OSError:
         return
-    ranks = [_Rank(r, fault, timing, clock) for r in range(node * NODE_SIZE, (node + 1) * NODE_SIZE)]
+    group = _tp_group(node)
+    ranks = [_Rank(r, fault, timing, clock, group) for r in range(node * NODE_SIZE, (node + 1) * NODE_SIZE)]
     hello = [line(node_hello(token, host, os.getpid()))]
     for r in ranks:
         hello += [line(rank_envelope(r.rank, {"type": "hello", "token": token, "rank": r.rank, "host": host,
@@ -149,6 +166,7 @@ async def run_node(address: tuple[str, int], token: str, host: str, node: int, f
                   line(rank_envelope(r.rank, {"type": "started", "start_step": 0}))]
     writer.write(b"".join(hello))
     answers = asyncio.ensure_future(_answer_dumps(reader, writer, ranks))
+    await asyncio.sleep(random.random() * timing.interval_s)  # nodes beat out of step, as real ones do
     try:
         await _beat_until_done(writer, node, ranks, fault, timing, clock, stop)
     finally:
@@ -167,17 +185,14 @@ async def _beat_until_done(writer: asyncio.StreamWriter, node: int, ranks: list[
         silent = {fault.rank} if fault.kind == "silent" and clock.fired_wall is not None else set()
         if silent and ranks[0].rank <= fault.rank < ranks[0].rank + NODE_SIZE and now - fault.at_s < timing.interval_s:
             silent = set()  # its last beat: the hung step has begun for it too
-        writer.write(line(beats_message([beat_entry(r.rank, r.beat(), 0.0) for r in ranks if r.rank not in silent])))
+        writer.write(beats_line([r for r in ranks if r.rank not in silent]))
         if fault.kind == "straggler" and now >= timing.finish_at_s:
             writer.write(b"".join(line(rank_envelope(r.rank, {"type": "exit", "how": "ok", "code": None,
                                                                 "start_step": 0})) for r in ranks)
                          + b"".join(line(closed_message(r.rank, time.time())) for r in ranks))
             await writer.drain()
             return
-        try:
-            await asyncio.wait_for(stop.wait(), timing.interval_s)
-        except asyncio.TimeoutError:
-            pass
+        await asyncio.sleep(timing.interval_s)  # not wait_for(stop): a task per node and beat is too dear at 1,536
 
 
 async def _answer_dumps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ranks: list[_Rank]) -> None:
@@ -186,6 +201,7 @@ async def _answer_dumps(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         if json.loads(raw).get("type") == "dump":
             writer.write(b"".join(line(rank_envelope(r.rank, r.dump())) for r in ranks
                                   if not (r.hit and r.fault.kind == "silent")))
+        await writer.drain()
 
 
 async def run_nodes(address: tuple[str, int], token: str, hosts: Sequence[str], fault: Fault, timing: Timing,
@@ -357,7 +373,7 @@ def measure(world: int, seed: int, measure_s: float) -> dict[str, Any]:
     """One N, in this process (the supervisor's): the run through every fault, with its CPU per
     wall second sampled over `measure_s` of steady 1 Hz beats before the first fault."""
     warmup_s = 10.0 + world / 2000  # every node connected and beating (the nodes' process is slower at 12,288)
-    timing = Timing()
+    timing = Timing(timeout_floor_s=10.0)  # the product's is 60 s; jitter of one process simulating 1,536 nodes stays well inside 10
     samples: dict[str, float] = {}
 
     def sample() -> None:

@@ -4,6 +4,7 @@ protocol (benchmarks/scale/sim_nodes.py), one fault per attempt: a silent rank, 
 stuck collective, then a straggler in an attempt that finishes."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,17 @@ def test_a_world_past_this_machine_stops_with_one_line_naming_the_largest():
     assert out.stderr.strip() == (f"sim_nodes: N={too_many} is past this machine: the largest N it holds is "
                                   f"{sim.largest_world()} (RLIMIT_NOFILE hard limit and local port range, one "
                                   "connection per node of 8)")
+
+
+def test_the_simulated_beats_are_the_relays_batches():
+    """The simulator builds its beats from serialized parts (1,536 nodes a second); they must be
+    what mshpc/launch/node_relay.py sends."""
+    from mshpc.launch.node_relay import beat_entry, beats_message
+
+    sim = load_sim_nodes()
+    clock = sim._Clock()
+    ranks = [sim._Rank(r, sim.Fault("stuck", 9, 0.0), sim.Timing(), clock, sim._tp_group(1)) for r in range(8, 16)]
+    clock.fired_wall, clock.now = 1.0, lambda: 3.0  # in the hang (rank 9 one collective behind), time stopped
+    expected = beats_message([beat_entry(r.rank, r.beat(), 0.0) for r in ranks])
+    got = json.loads(sim.beats_line(ranks))
+    assert got == expected and got["beats"][1]["counts"]["world"] == got["beats"][0]["counts"]["world"] - 1
