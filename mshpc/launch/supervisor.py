@@ -274,10 +274,14 @@ class Supervisor:
         ranks, hang-report.txt."""
         states = monitor.ranks
         silent_after = max(3 * self.scfg.heartbeat_interval_s, 2.0)
+        began = time.monotonic()
         monitor.request_dumps(min(DUMP_WAIT_S, self.scfg.stop_grace_s + 1), silent_after)
+        asked = time.monotonic()
         missing = missing_ranks(states, silent_after, attempt.started_at, token)
         path = write_hang_report(self.run_dir / REPORT_FILE, det, states, missing, attempt.number, attempt.started_at)
-        self.event("hang_report", attempt=attempt.number, path=str(path),
+        # how long the dumps took to come (bounded by DUMP_WAIT_S) and the report to be written
+        self.event("hang_report", attempt=attempt.number, path=str(path), dumps_s=asked - began,
+                   write_s=time.monotonic() - asked,
                    missing=[{"rank": m.rank, "host": states[m.rank].host, "coords": states[m.rank].coords,
                              "why": m.why} for m in missing])
         for m in missing:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from mshpc.launch.monitor import NODE_PROTOCOL, Monitor
+from mshpc.launch.monitor import BEAT_ENTRY, NODE_PROTOCOL, Monitor
+from mshpc.launch.monitor import beat_entry as entry_ok
 from mshpc.launch.node_relay import beat_entry, beats_message, closed_message, line, node_hello, rank_envelope
 
 BEAT = {"type": "beat", "phase": "step", "step": 3, "phase_s": 0.0, "medians": {}, "counts": {}, "last": None}
@@ -67,3 +68,19 @@ def test_a_ranks_end_is_its_own_and_the_relays_end_is_its_nodes(monitor):
     conn.close()
     wait_until(lambda: monitor.ranks[1].closed_at is not None)
     assert monitor.ranks[2].closed_at is None  # never its node's
+
+
+GOOD = {**beat_entry(3, BEAT, 0.25), "medians": {"step": 0.5, "data": 1}, "counts": {"world": 4, "[0, 1]": 2},
+        "last": [4, "world", "all_reduce", 64]}
+BAD_VALUES = [None, True, "1", 1.5, [], {}, {"k": True}, {"k": "v"}, {1: 2}, [1, "g", "op"], [1, "g", "op", True]]
+
+
+def test_the_written_out_beat_check_agrees_with_the_generic_one():
+    def generic(entry):
+        return isinstance(entry, dict) and all(check(entry.get(k)) for k, check in BEAT_ENTRY.items())
+
+    cases = [GOOD, None, [], {**GOOD, "extra": 1}]
+    cases += [{k: v for k, v in GOOD.items() if k != key} for key in GOOD]
+    cases += [{**GOOD, key: bad} for key in GOOD for bad in BAD_VALUES]
+    assert any(entry_ok(c) for c in cases) and not all(entry_ok(c) for c in cases)
+    assert [entry_ok(c) for c in cases] == [generic(c) for c in cases]
