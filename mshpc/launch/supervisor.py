@@ -40,6 +40,10 @@ from mshpc.run_lock import hold_run_lock
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+# A check (detection over every rank) follows every message that may need a decision, but takes
+# at most this share of the supervisor's time: 12,288 ranks saying "started" at once would
+# otherwise run thousands of 10 ms checks back to back and starve the monitor's loop
+CHECK_SHARE = 0.1
 DUMP_WAIT_S = 5.0  # how long live ranks get to send their stacks for the hang report
 USER_ERROR_EXIT = 2
 EXIT_WAIT_S = 60.0  # ranks that all said "ok" get this long to exit before they are stopped
@@ -175,9 +179,13 @@ class Supervisor:
 
     def _watch(self, monitor: Monitor, ranks: Ranks, attempt: Attempt) -> tuple[int, Detection | None]:
         done_at, passed = None, 0  # passed: the stop signals handled in this attempt
+        began: float | None = None  # of the last pass
         while True:
+            if began is not None:  # microseconds at a few ranks
+                time.sleep((time.monotonic() - began) * (1 / CHECK_SHARE - 1))
             monitor.changed.wait(POLL_S)
             monitor.changed.clear()
+            began = time.monotonic()
             ranks.update(monitor.ranks)
             self._track(monitor.ranks, attempt)
             # finished, or stopping on request (a checkpoint after a signal): let the ranks exit
