@@ -84,3 +84,17 @@ def test_the_written_out_beat_check_agrees_with_the_generic_one():
     cases += [{**GOOD, key: bad} for key in GOOD for bad in BAD_VALUES]
     assert any(entry_ok(c) for c in cases) and not all(entry_ok(c) for c in cases)
     assert [entry_ok(c) for c in cases] == [generic(c) for c in cases]
+
+
+def test_a_rank_whose_relay_never_listens_reports_directly(monitor):
+    from mshpc.launch.env import SupervisorLink
+    from mshpc.launch.heartbeat import Heartbeat, RelayPlan
+    from mshpc.save_schedule import SaveSchedule
+
+    link = SupervisorLink("127.0.0.1", monitor.port, "tok", 0)
+    relay = RelayPlan("nobody-starts-this-node", start=False, wait_s=0.3)
+    with Heartbeat(link, {"rank": 3, "host": "h"}, 0.05, SaveSchedule(0, 10), relay=relay):
+        wait_until(lambda: monitor.ranks[3].host == "h")  # its own connection: its hello
+    wait_until(lambda: monitor.ranks[3].outcome is not None)
+    assert monitor.ranks[3].outcome["how"] == "ok"
+    assert not any(getattr(k.data, "host", None) for k in monitor._selector.get_map().values())  # no relay spoke
