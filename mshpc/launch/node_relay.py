@@ -16,8 +16,9 @@ a thread of that rank: a thread dies with its rank's crash (and every other rank
 would look dead), and freezes with a SIGSTOP or a hang that holds the GIL (all 8 ranks would look
 silent, and the hang report would name the whole node for one frozen rank). As a process it
 outlives any one rank, so detection stays per rank; only the node itself failing (or the relay)
-ends them all, which is what the node-down verdict means anyway. Under Slurm it ends with the job
-step (its cgroup); locally, with the supervisor's connection.
+ends them all, which is what the node-down verdict means anyway. It ignores the stop signals
+(Slurm signals every process of a step; the ranks' last words must still go through), and ends
+when its ranks have all gone or the supervisor's connection ends; SIGKILL of the step ends it too.
 
     python -m mshpc.launch.node_relay --node NAME --interval-s S   (supervisor link from the environment)
 """
@@ -31,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -206,11 +208,19 @@ def start_relay(node: str, interval_s: float) -> subprocess.Popen[bytes]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
+# What Slurm and the launchers send to ask ranks to stop: under Slurm every process of the step
+# gets them (its cgroup is signalled), the relay too. It must outlive its ranks to pass on their
+# last words (a checkpoint then "exit stopped"), and it ends when they have all gone.
+IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mshpc.launch.node_relay", description=__doc__.split("\n\n")[0])
     parser.add_argument("--node", required=True, help="the node's name, as its ranks give it")
     parser.add_argument("--interval-s", type=float, required=True, help="how often the batched beats go")
     args = parser.parse_args(argv)
+    for signum in IGNORED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     link = supervisor_link()
     if link is None:
         print("mshpc node relay: MSHPC_SUPERVISOR is not set: no supervisor to relay to", file=sys.stderr)

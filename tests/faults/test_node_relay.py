@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +40,19 @@ def wait_until(condition, within_s: float) -> float:
     return time.monotonic() - start
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (node0's relay, started by rank 0)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def node_connections(monitor: Monitor) -> int:
     """How many connections the monitor serves for node relays (its loop's own bookkeeping)."""
     return sum(1 for key in monitor._selector.get_map().values() if getattr(key.data, "host", None) is not None)
@@ -66,7 +80,11 @@ def test_ranks_report_through_one_connection_per_node_and_a_lost_rank_is_that_ra
     assert node_connections(monitor) == NODES
     assert {s.host for s in monitor.ranks.values()} == {"node0", "node1"}
     assert {s.pid for s in monitor.ranks.values()} == {p.pid for p in procs}
+    assert len(children(procs[0].pid)) == 1  # its relay
 
+    for relay in children(procs[0].pid):  # Slurm signals every process of a step: the relay stays
+        os.kill(relay, signal.SIGTERM)
+        os.kill(relay, signal.SIGUSR2)
     procs[0].kill()  # the rank that started node0's relay: the relay outlives it
     procs[3].send_signal(signal.SIGSTOP)  # frozen: silent, its connection open
     wait_until(lambda: monitor.ranks[0].closed_at is not None, 10)
