@@ -220,6 +220,11 @@ class SupervisorConfig:
     drain: bool = False  # admin: also `scontrol update State=DRAIN` an evicted node
     loss_limit: float | None = None  # a loss above this counts as exploding; NaN/Inf always does
     ranks_per_slot: int = _min(1, 1)  # local runs: ranks per simulated node ("slot")
+    # Heartbeats per node (launch/node_relay.py): the ranks of a node report to one relay process over
+    # a Unix socket, and one connection per node carries them all, beats batched; off: every rank
+    # connects to the supervisor itself (as before issue #20; also what a rank falls back to when
+    # its relay cannot be reached within 10 s)
+    node_relay: bool = True
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ per wall second over 30 s of 1 Hz beats, its RSS and threads; then the fitted gr
     .venv/bin/python benchmarks/scale/sim_peers.py [--n 512 2048 4096 12288]
 
 The protocol half (`run_world`) is imported by tests/unit/launch/test_monitor_scale.py.
+
+This is the per-rank protocol: what a rank speaks when it has no node relay (supervisor.node_relay
+false, or its relay out of reach). With relays, one connection per node: sim_nodes.py.
 """
 
 from __future__ import annotations

@@ -40,6 +40,9 @@ class SupervisorLink:
     port: int
     token: str  # names the attempt: the supervisor ignores ranks of an earlier one
     attempt: int  # 0 for the first start of the ranks, +1 for each restart
+    # whether this rank starts its node's heartbeat relay (launch/node_relay.py): MSHPC_NODE_RELAY_START
+    # where the launcher says (local slots), else the node's local rank 0
+    starts_relay: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,19 +145,23 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(
         launcher=launcher, rank=rank, world_size=world, local_rank=local,
         local_world_size=local_world, node=node, master_addr=addr, master_port=port,
-        slurm=slurm, test_faults=env.get("MSHPC_TEST_FAULTS") or None, supervisor=_supervisor(env),
+        slurm=slurm, test_faults=env.get("MSHPC_TEST_FAULTS") or None, supervisor=supervisor_link(env, local),
     )
 
 
-def _supervisor(env: Mapping[str, str]) -> SupervisorLink | None:
+def supervisor_link(environ: Mapping[str, str] | None = None, local_rank: int = 0) -> SupervisorLink | None:
+    """Where heartbeats go (MSHPC_SUPERVISOR=host:port and its token), None without a supervisor."""
+    env = os.environ if environ is None else environ
     raw = env.get("MSHPC_SUPERVISOR")
     if not raw:
         return None
     host, sep, port = raw.rpartition(":")
     if not sep or not port.isdigit():
         raise LaunchError(f"MSHPC_SUPERVISOR={raw!r} must be HOST:PORT")
+    starts = env.get("MSHPC_NODE_RELAY_START")
     return SupervisorLink(host=host, port=int(port), token=env.get("MSHPC_SUPERVISOR_TOKEN", ""),
-                          attempt=_int(env, "MSHPC_ATTEMPT", 0))
+                          attempt=_int(env, "MSHPC_ATTEMPT", 0),
+                          starts_relay=starts == "1" if starts else local_rank == 0)
 
 
 def _tasks_on_node(env: Mapping[str, str]) -> int:

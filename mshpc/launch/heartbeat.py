@@ -7,7 +7,10 @@ must not wait for a beat to carry it). The thread does the rest every `heartbeat
 per-phase median durations (the supervisor's timeouts are calibrated from them), the flight
 recorder's per-group counts and last record, and on request a dump of every thread's Python
 stack (faulthandler) and the whole flight recorder. Messages are JSON lines; nothing received is
-executed. When the supervisor's end of the connection closes while the rank trains (the
+executed. The connection goes to the node's relay (mshpc/launch/node_relay.py) over a Unix socket
+when there is one (the node's lowest local rank starts it), which batches the node's beats into
+one connection to the supervisor; a rank that cannot reach its relay within `RELAY_WAIT_S`
+connects to the supervisor itself. When the supervisor's end of the connection closes while the rank trains (the
 supervisor was killed, or its node lost), nobody will stop or restart the rank: it stops itself,
 after a checkpoint at the next step boundary if that comes within the stop grace, else at once.
 """
@@ -26,12 +29,14 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from mshpc.config import Config
 from mshpc.errors import MshpcError
 from mshpc.launch.env import SupervisorLink
+from mshpc.launch.node_relay import socket_name, start_relay
 from mshpc.launch.requeue import STOP_REQUEST_SIGNAL
 from mshpc.loss_check import LossDiverged
 from mshpc.mesh_shape import MeshShape
@@ -44,6 +49,17 @@ PHASES = ("setup", "data", "step", "eval", "checkpoint")
 MIN_SAMPLES = 3  # a phase's median means something after this many
 _WINDOW = 64  # recent durations kept per phase
 ORPHAN_EXIT = 1  # a rank that outlived its supervisor and could not stop in order
+RELAY_WAIT_S = 10.0  # for the node's relay to listen (a Python start on a loaded node), then go direct
+_RELAY_RETRY_S = 0.05
+
+
+@dataclass(frozen=True)
+class RelayPlan:
+    """This rank's node relay: its node's name, and whether this rank starts it."""
+
+    node: str
+    start: bool
+    wait_s: float = RELAY_WAIT_S
 
 
 class Heartbeat:
@@ -52,9 +68,9 @@ class Heartbeat:
     train loop's watcher handles) and exits after that many seconds if it has not stopped."""
 
     def __init__(self, link: SupervisorLink | None, hello: dict[str, Any], interval_s: float,
-                 schedule: SaveSchedule, orphan_grace_s: float | None = None) -> None:
+                 schedule: SaveSchedule, orphan_grace_s: float | None = None, relay: RelayPlan | None = None) -> None:
         self.link, self.hello, self.interval_s, self.schedule = link, hello, interval_s, schedule
-        self.orphan_grace_s = orphan_grace_s
+        self.orphan_grace_s, self.relay = orphan_grace_s, relay
         self._current = ("setup", -1, time.monotonic())  # (phase, step, entered at)
         self._start_step: int | None = None
         self._durations: dict[str, collections.deque[float]] = {p: collections.deque(maxlen=_WINDOW) for p in PHASES}
@@ -119,14 +135,38 @@ class Heartbeat:
 
     def _connect(self) -> None:
         assert self.link is not None
-        try:
-            self._sock = socket.create_connection((self.link.host, self.link.port), timeout=30)
-        except OSError as exc:  # training goes on unsupervised rather than not at all
-            log.error("cannot reach the supervisor at %s:%d (%s): no heartbeats", self.link.host, self.link.port, exc)
-            return
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = self._connect_relay() if self.relay is not None else None
+        if self._sock is None:
+            try:
+                self._sock = socket.create_connection((self.link.host, self.link.port), timeout=30)
+            except OSError as exc:  # training goes on unsupervised rather than not at all
+                log.error("cannot reach the supervisor at %s:%d (%s): no heartbeats", self.link.host, self.link.port, exc)
+                return
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._connected = True
         self._send({"type": "hello", "token": self.link.token, "pid": os.getpid(), **self.hello})
+
+    def _connect_relay(self) -> socket.socket | None:
+        """The node relay's Unix socket (started here if this rank is the node's first), or None
+        when it does not listen within the wait: the rank then reports directly."""
+        assert self.link is not None and self.relay is not None
+        name = socket_name(self.link.token, self.relay.node)
+        relay = start_relay(self.relay.node, self.interval_s) if self.relay.start else None
+        deadline = time.monotonic() + self.relay.wait_s
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(name)
+                return sock
+            except OSError:
+                sock.close()
+            code = relay.poll() if relay is not None else None
+            if code or time.monotonic() > deadline:  # the relay failed (out of reach of the supervisor), or none came
+                log.warning("no heartbeat relay on node %s (%s): this rank reports to the supervisor directly",
+                            self.relay.node, f"it exited with code {code}" if code else
+                            f"none listened within {self.relay.wait_s:g} s")
+                return None
+            time.sleep(_RELAY_RETRY_S)
 
     def _send(self, message: dict[str, Any]) -> None:
         if self._sock is None:
@@ -207,5 +247,6 @@ def start_heartbeat(cfg: Config, link: SupervisorLink | None, rank: int, node: s
     """The heartbeat of `rank` (use it as a context manager); it talks only when `link` is set."""
     shape = MeshShape(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp)
     hello = {"rank": rank, "host": node, "coords": str(shape.coords(rank))}
+    relay = RelayPlan(node, link.starts_relay) if link is not None and cfg.supervisor.node_relay else None
     return Heartbeat(link, hello, cfg.supervisor.heartbeat_interval_s, SaveSchedule.from_config(cfg),
-                     orphan_grace_s=cfg.supervisor.stop_grace_s)
+                     orphan_grace_s=cfg.supervisor.stop_grace_s, relay=relay)

@@ -1,10 +1,16 @@
 """The supervisor's side of the heartbeats: a TCP server it owns and the table of what each
-rank last said (mshpc/launch/heartbeat.py is the other side).
+rank last said (mshpc/launch/heartbeat.py and mshpc/launch/node_relay.py are the other side).
 
-Only JSON lines are read, and each must have the shape its type promises (`FIELDS`); nothing a
-peer sends can raise in the monitor. A connection whose first line is not a hello carrying this
-attempt's token, within `HELLO_TIMEOUT_S`, is dropped: a straggling rank of an earlier attempt
-cannot speak for the current one, and a port scanner or an idle peer holds nothing for long.
+Two kinds of connection. A node's relay (the usual one) says a "node" hello, then speaks for
+every rank of its node: their messages in "rank" envelopes, their beats batched in one "beats"
+message per interval, a rank's end as "closed"; its own end ends every rank it spoke for (the
+node is gone). A rank without a relay speaks for itself (hello, then its messages), as before.
+
+Only JSON lines are read, and each must have the shape its type promises (`FIELDS`,
+`BEAT_ENTRY`); nothing a peer sends can raise in the monitor. A connection whose first line is
+not a hello carrying this attempt's token, within `HELLO_TIMEOUT_S`, is dropped: a straggling
+rank of an earlier attempt cannot speak for the current one, and a port scanner or an idle peer
+holds nothing for long. A relay of another protocol version is dropped with one warning.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ MESSAGE_MAX_BYTES = 256 * 2**20  # a dump (every stack, the whole flight recorde
 _RECV_BYTES = 64 * 1024
 _ACCEPT_RETRY_S = 0.05  # after a failed accept (out of descriptors): idle peers are dropped soon
 _CLOSE_WAIT_S = 5.0  # for the loop to close every connection
+NODE_PROTOCOL = 1  # the relay's "node" hello carries it; a relay of another version is dropped
 
 
 @dataclass
@@ -118,7 +125,27 @@ FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
                "phase": _str, "step": _int, "start_step": _optional(_int)},
     "exit": {"how": _str, "code": _optional(_int), "start_step": _optional(_int)},
     "dump": {"stacks": _str, "records": _records, "counts": _dict_of(_int)},
+    # a node's relay (mshpc/launch/node_relay.py): its hello, then for the ranks of its node
+    "node": {"token": _str, "v": _int, "host": _str, "pid": _optional(_int)},
+    "rank": {"rank": _int, "msg": lambda v: isinstance(v, dict)},  # one rank's message, checked in turn
+    "beats": {"beats": lambda v: isinstance(v, list)},  # entries: BEAT_ENTRY, each checked
+    "closed": {"rank": _int, "t": _num},  # the rank's connection to its relay ended (wall time)
 }
+RANK_KINDS = ("hello", "started", "failed", "exit", "dump")  # what a "rank" envelope may carry
+_RANK_SAYS = ("beat", *RANK_KINDS[1:])  # what a rank's own connection may carry after its hello
+# One rank's beat in a "beats" batch: a beat's fields, its rank, and how long ago the relay got it
+BEAT_ENTRY = {**FIELDS["beat"], "rank": _int, "age_s": _num}
+
+
+def valid(message: Any, kinds: tuple[str, ...] | None = None) -> dict[str, Any] | None:
+    """`message` if it is an object of a known type (one of `kinds` when given) with every field in shape."""
+    if not isinstance(message, dict):
+        return None
+    kind = message.get("type")
+    fields = FIELDS.get(kind) if isinstance(kind, str) and (kinds is None or kind in kinds) else None
+    if fields is None or not all(check(message.get(key)) for key, check in fields.items()):
+        return None
+    return message
 
 
 def parse_message(line: bytes) -> dict[str, Any] | None:
@@ -127,29 +154,48 @@ def parse_message(line: bytes) -> dict[str, Any] | None:
         message = json.loads(line)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
         return None
-    if not isinstance(message, dict):
-        return None
-    kind = message.get("type")
-    fields = FIELDS.get(kind) if isinstance(kind, str) else None
-    if fields is None or not all(check(message.get(key)) for key, check in fields.items()):
-        return None
-    return message
+    return valid(message)
+
+
+_NUMBER = (int, float)  # exact types, as JSON gives them: a bool is no number here either
+
+
+def beat_entry(entry: Any) -> bool:
+    """Whether `entry` passes BEAT_ENTRY, written out: the monitor checks 12,288 of these a
+    second at full scale, and the generic checks (a call per field and value) were half its CPU
+    (tests/unit/launch/test_monitor_nodes.py holds the two to the same answers)."""
+    if type(entry) is not dict:
+        return False
+    get = entry.get
+    medians, counts, last = get("medians"), get("counts"), get("last")
+    return (type(get("rank")) is int and type(get("step")) is int and type(get("phase")) is str
+            and type(get("phase_s")) in _NUMBER and type(get("age_s")) in _NUMBER
+            and type(medians) is dict and all(type(k) is str and type(v) in _NUMBER for k, v in medians.items())
+            and type(counts) is dict and all(type(k) is str and type(v) is int for k, v in counts.items())
+            and (last is None or _record(last)))
 
 
 class _Peer:
     """One connection, as the event loop sees it: the bytes read but not yet a whole line, and
-    the rank its hello named (None until then, when `hello_by` is its deadline)."""
+    who its hello named: a rank, or a node (`host`) with the ranks it has spoken for (neither
+    until then, when `hello_by` is its deadline)."""
 
     def __init__(self, conn: socket.socket, hello_by: float) -> None:
         self.conn, self.hello_by = conn, hello_by
         self.buf, self.scanned = bytearray(), 0
         self.rank: int | None = None
+        self.host: str | None = None  # a node relay's
+        self.node_ranks: set[int] = set()
         self.ignored = 0
+
+    @property
+    def greeted(self) -> bool:
+        return self.rank is not None or self.host is not None
 
     def next_line(self) -> bytes | None:
         """The next whole line; None until one has arrived. _LineTooLong once the pending line
         outgrew its limit (a hello's, then a message's)."""
-        limit = HELLO_MAX_BYTES if self.rank is None else MESSAGE_MAX_BYTES
+        limit = MESSAGE_MAX_BYTES if self.greeted else HELLO_MAX_BYTES
         end = self.buf.find(b"\n", self.scanned)
         if end < 0:
             self.scanned = len(self.buf)  # a 256 MB dump arrives in many reads: scan each byte once
@@ -272,31 +318,89 @@ class Monitor:
             self._drop(peer)
 
     def _take(self, peer: _Peer, line: bytes) -> bool:
-        """One line from `peer`: its hello, or a message of its rank. False when the connection
-        is to be dropped (no valid hello)."""
+        """One line from `peer`: its hello, or a message of its rank or node. False when the
+        connection is to be dropped (no valid hello)."""
         message = parse_message(line)
-        if peer.rank is None:
-            peer.rank = self._hello(peer.conn, message)
+        if not peer.greeted:
             self._greeting.pop(peer.conn, None)
+            if message is not None and message["type"] == "node":
+                return self._node_hello(peer, message)
+            peer.rank = self._hello(peer.conn, message)
             return peer.rank is not None
-        if message is None:
-            peer.ignored += 1
-            if peer.ignored == 1:  # a rank's bug, not a reason to stop listening to it
-                log.warning("supervisor: ignored a malformed heartbeat message from rank %d", peer.rank)
+        if peer.host is not None:
+            if message is None or not self._node_message(peer, message):
+                self._ignored(peer)
+            return True
+        assert peer.rank is not None
+        if message is None or message["type"] not in _RANK_SAYS:
+            self._ignored(peer)
             return True
         self._update(self.ranks[peer.rank], message)
         return True
 
+    def _ignored(self, peer: _Peer) -> None:
+        peer.ignored += 1
+        if peer.ignored == 1:  # a peer's bug, not a reason to stop listening to it
+            who = f"node {peer.host}" if peer.host is not None else f"rank {peer.rank}"
+            log.warning("supervisor: ignored a malformed heartbeat message from %s", who)
+
+    def _node_hello(self, peer: _Peer, hello: dict[str, Any]) -> bool:
+        if hello["token"] != self.token:
+            return False
+        if hello["v"] != NODE_PROTOCOL:
+            log.warning("supervisor: dropped the relay of %s: node protocol %d, this supervisor speaks %d",
+                        hello["host"], hello["v"], NODE_PROTOCOL)
+            return False
+        peer.host = hello["host"]
+        return True
+
+    def _node_message(self, peer: _Peer, message: dict[str, Any]) -> bool:
+        """A node relay's message for its ranks; False when it is not in shape (nothing is taken
+        from a batch with a bad entry: a relay's bug shows at once, not as one silent rank)."""
+        kind = message["type"]
+        if kind == "beats":
+            entries = message["beats"]
+            if not all(beat_entry(e) and e["rank"] in peer.node_ranks for e in entries):
+                return False
+            now = time.monotonic()
+            with self._lock:
+                for e in entries:  # when the rank beat, not when its relay passed it on
+                    self._beat(self.ranks[e["rank"]], e, now - max(0.0, e["age_s"]))
+            return True
+        rank = message.get("rank")
+        if kind == "closed" and rank in peer.node_ranks:
+            self._rank_closed(rank, peer.conn, message["t"])
+            return True
+        inner = valid(message.get("msg"), RANK_KINDS) if kind == "rank" else None
+        if inner is None:
+            return False
+        if inner["type"] == "hello":
+            if inner["rank"] != rank or self._hello(peer.conn, inner) is None:
+                return False
+            peer.node_ranks.add(rank)
+            return True
+        if rank not in peer.node_ranks:
+            return False
+        self._update(self.ranks[rank], inner)
+        return True
+
     def _drop(self, peer: _Peer) -> None:
+        """Close `peer`; the ranks it spoke for end with it (a node's relay gone: the node is)."""
         self._greeting.pop(peer.conn, None)
         self._selector.unregister(peer.conn)
         peer.conn.close()
-        if peer.rank is not None:
-            with self._lock:
-                self.ranks[peer.rank].closed_at = time.time()
-                if self._conns.get(peer.rank) is peer.conn:
-                    del self._conns[peer.rank]
-            self.changed.set()
+        now = time.time()
+        for rank in peer.node_ranks if peer.host is not None else () if peer.rank is None else (peer.rank,):
+            self._rank_closed(rank, peer.conn, now)
+
+    def _rank_closed(self, rank: int, conn: socket.socket, at: float) -> None:
+        with self._lock:
+            state = self.ranks[rank]
+            if state.closed_at is None:
+                state.closed_at = at
+            if self._conns.get(rank) is conn:
+                del self._conns[rank]
+        self.changed.set()
 
     def _teardown(self) -> None:
         for key in list(self._selector.get_map().values()):
@@ -321,14 +425,18 @@ class Monitor:
             self._conns[rank] = conn
         return rank
 
+    @staticmethod
+    def _beat(state: RankState, message: dict[str, Any], at: float) -> None:
+        state.last_beat_at, state.phase, state.step = at, message["phase"], message["step"]
+        state.phase_s, state.medians = message["phase_s"], message["medians"]
+        state.counts, state.last = message["counts"], message["last"]
+
     def _update(self, state: RankState, message: dict[str, Any]) -> None:
         now = time.monotonic()
         with self._lock:
             kind = message.get("type")
             if kind == "beat":
-                state.last_beat_at, state.phase, state.step = now, message["phase"], message["step"]
-                state.phase_s, state.medians = message["phase_s"], message["medians"]
-                state.counts, state.last = message["counts"], message["last"]
+                self._beat(state, message, now)
             elif kind == "started":
                 state.start_step = message["start_step"]
             elif kind in ("failed", "exit"):
@@ -346,11 +454,13 @@ class Monitor:
         thread starved) cannot answer: waiting for it would only delay the restart."""
         with self._lock:
             asked = dict(self._conns)
-        for rank, conn in list(asked.items()):
-            try:  # non-blocking: a rank whose socket buffer is full reads nothing and will not answer
+        failed: set[socket.socket] = set()
+        for conn in set(asked.values()):  # a node's relay passes the request on to each of its ranks
+            try:  # non-blocking: a peer whose socket buffer is full reads nothing and will not answer
                 conn.sendall(b'{"type": "dump"}\n')
             except OSError:
-                asked.pop(rank, None)
+                failed.add(conn)
+        asked = {r: c for r, c in asked.items() if c not in failed}
         start = time.monotonic()
         awaited = [r for r in asked if self.ranks[r].silent_s(start, start) < silent_after_s]
         while time.monotonic() < start + timeout_s and any(

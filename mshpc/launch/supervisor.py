@@ -40,6 +40,10 @@ from mshpc.run_lock import hold_run_lock
 log = logging.getLogger(__name__)
 
 POLL_S = 0.2
+# A check (detection over every rank) follows every message that may need a decision, but takes
+# at most this share of the supervisor's time: 12,288 ranks saying "started" at once would
+# otherwise run thousands of 10 ms checks back to back and starve the monitor's loop
+CHECK_SHARE = 0.1
 DUMP_WAIT_S = 5.0  # how long live ranks get to send their stacks for the hang report
 USER_ERROR_EXIT = 2
 EXIT_WAIT_S = 60.0  # ranks that all said "ok" get this long to exit before they are stopped
@@ -175,9 +179,13 @@ class Supervisor:
 
     def _watch(self, monitor: Monitor, ranks: Ranks, attempt: Attempt) -> tuple[int, Detection | None]:
         done_at, passed = None, 0  # passed: the stop signals handled in this attempt
+        began: float | None = None  # of the last pass
         while True:
+            if began is not None:  # microseconds at a few ranks
+                time.sleep((time.monotonic() - began) * (1 / CHECK_SHARE - 1))
             monitor.changed.wait(POLL_S)
             monitor.changed.clear()
+            began = time.monotonic()
             ranks.update(monitor.ranks)
             self._track(monitor.ranks, attempt)
             # finished, or stopping on request (a checkpoint after a signal): let the ranks exit
@@ -274,10 +282,14 @@ class Supervisor:
         ranks, hang-report.txt."""
         states = monitor.ranks
         silent_after = max(3 * self.scfg.heartbeat_interval_s, 2.0)
+        began = time.monotonic()
         monitor.request_dumps(min(DUMP_WAIT_S, self.scfg.stop_grace_s + 1), silent_after)
+        asked = time.monotonic()
         missing = missing_ranks(states, silent_after, attempt.started_at, token)
         path = write_hang_report(self.run_dir / REPORT_FILE, det, states, missing, attempt.number, attempt.started_at)
-        self.event("hang_report", attempt=attempt.number, path=str(path),
+        # how long the dumps took to come (bounded by DUMP_WAIT_S) and the report to be written
+        self.event("hang_report", attempt=attempt.number, path=str(path), dumps_s=asked - began,
+                   write_s=time.monotonic() - asked,
                    missing=[{"rank": m.rank, "host": states[m.rank].host, "coords": states[m.rank].coords,
                              "why": m.why} for m in missing])
         for m in missing:
@@ -398,7 +410,10 @@ def supervise_local(cfg: Config, argv: list[str], nproc: int) -> int:
     per = cfg.supervisor.ranks_per_slot
 
     def start(attempt: int, active: list[str], env: dict[str, str]) -> Ranks:
-        return _LocalAttempt(LocalRanks(argv, [{**env, "MSHPC_NODE": active[r // per]} for r in range(nproc)]))
+        # the first rank of each slot starts the slot's heartbeat relay (launch/node_relay.py)
+        return _LocalAttempt(LocalRanks(argv, [{**env, "MSHPC_NODE": active[r // per],
+                                                "MSHPC_NODE_RELAY_START": "1" if r % per == 0 else "0"}
+                                               for r in range(nproc)]))
 
     sup = Supervisor(cfg, nproc, NodePool(hosts, needed, cfg.supervisor.evict_after), start, "127.0.0.1")
     with stop_signals_to(sup.request_stop):
