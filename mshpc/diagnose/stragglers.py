@@ -29,14 +29,16 @@ import numpy as np
 from mshpc.config import DiagnoseConfig, load_config
 from mshpc.diagnose.timers import category
 from mshpc.diagnose.timings import (
+    RankColumns,
     RankInfo,
     Timings,
+    assemble,
+    concat,
     is_header,
-    parse_lines,
+    parse_records,
     rank_file,
     rank_info,
     read_timings,
-    to_arrays,
 )
 from mshpc.events import append_event
 
@@ -180,15 +182,14 @@ def eviction_candidates(run_dir: Path, cfg: DiagnoseConfig | None = None) -> lis
 
 class StragglerWatch:
     """Rank 0's live detector, on its timings thread: every `straggler_check_interval_steps` it
-    reads what each rank's file gained since the last look and feeds the steps every rank has
-    written; each newly flagged rank becomes a `straggler` event."""
+    reads what each rank's file gained since the last look (never a byte twice) and feeds the
+    steps every rank has written; each newly flagged rank becomes a `straggler` event."""
 
     def __init__(self, run_dir: Path, world_size: int, cfg: DiagnoseConfig, start_step: int) -> None:
         self.run_dir, self.world_size, self.cfg = run_dir, world_size, cfg
         self._offsets = [0] * world_size
-        self._partial = [""] * world_size
-        self._pending: dict[int, dict[int, dict]] = collections.defaultdict(dict)  # step -> rank -> record
-        self._infos: dict[int, RankInfo] = {}
+        self._partial = [b""] * world_size
+        self._pending: dict[int, RankColumns] = {}  # per rank: the steps not fed to the detector yet
         self._detector: StragglerDetector | None = None
         self._next_step = start_step + 1  # earlier steps were judged by the process that trained them
 
@@ -201,42 +202,50 @@ class StragglerWatch:
         """Read, detect, append events; returns the ranks newly flagged."""
         for rank in range(self.world_size):
             self._read_new(rank)
-        if len(self._infos) < self.world_size:
+        if len(self._pending) < self.world_size:
             return []
         if self._detector is None:
-            self._detector = StragglerDetector(self.cfg, [self._infos[r] for r in range(self.world_size)])
-        flagged = []
-        for step in sorted(s for s, recs in self._pending.items() if len(recs) == self.world_size):
-            records = self._pending.pop(step)
-            if step < self._next_step:
-                continue  # a step trained again after a restart: the detector moved on
-            timings = to_arrays([(self._infos[r], {step: records[r]}) for r in range(self.world_size)])
-            phases = {p: v[:, 0] for p, v in timings.phases.items()}
-            flagged += self._detector.update(step, timings.step_s[:, 0], phases)
-            self._next_step = step + 1
+            self._detector = StragglerDetector(self.cfg, [self._pending[r].info for r in range(self.world_size)])
+        # Every rank writes its steps in order, so the steps all have written end at the least
+        # of the ranks' latest.
+        frontier = min((int(c.steps.max()) if len(c.steps) else -1) for c in self._pending.values())
+        flagged = self._feed(frontier) if frontier >= self._next_step else []
         for s in flagged:
             log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
                         s.rank, s.host, s.dp, s.tp, s.pp, s.category, s.relative_score, s.since_step)
             append_event(self.run_dir, "straggler", evict_candidate=True, **s.__dict__)
         return flagged
 
+    def _feed(self, frontier: int) -> list[Straggler]:
+        """Give the detector the steps from the next one to `frontier` that every rank has."""
+        assert self._detector is not None
+        timings = assemble([c for c in self._pending.values()])
+        self._pending = {r: c.after(frontier) for r, c in self._pending.items()}
+        flagged = []
+        complete = ~np.isnan(timings.step_s).any(axis=0)
+        for col in np.flatnonzero(complete & (timings.steps >= self._next_step) & (timings.steps <= frontier)):
+            phases = {p: v[:, col] for p, v in timings.phases.items()}
+            flagged += self._detector.update(int(timings.steps[col]), timings.step_s[:, col], phases)
+        self._next_step = frontier + 1
+        return flagged
+
     def _read_new(self, rank: int) -> None:
-        path = rank_file(self.run_dir, rank)
-        if not path.exists():
+        try:
+            with rank_file(self.run_dir, rank).open("rb") as f:
+                f.seek(self._offsets[rank])
+                chunk = f.read()
+        except FileNotFoundError:
             return
-        with path.open("rb") as f:
-            f.seek(self._offsets[rank])
-            chunk = f.read()
         self._offsets[rank] += len(chunk)
-        text = self._partial[rank] + chunk.decode()
-        lines = text.split("\n")
+        lines = (self._partial[rank] + chunk).split(b"\n")
         self._partial[rank] = lines.pop()  # the part after the last newline: not written whole yet
-        starts = [i for i, line in enumerate(lines) if is_header(line)]
+        text = [line.decode() for line in lines]
+        starts = [i for i, line in enumerate(text) if is_header(line)]
         if starts:  # a (re)start of this rank: what it wrote before belongs to an earlier process
-            headers, _ = parse_lines(lines[starts[-1]:starts[-1] + 1])
-            self._infos[rank] = rank_info(headers[0])
-            lines = lines[starts[-1] + 1:]
-            for records in self._pending.values():
-                records.pop(rank, None)
-        for step, record in parse_lines(lines)[1].items():
-            self._pending[step][rank] = record
+            headers, _ = parse_records(text[starts[-1]:starts[-1] + 1])
+            self._pending[rank] = RankColumns.of(rank_info(headers[0]), [])
+            text = text[starts[-1] + 1:]
+        if rank in self._pending and text:
+            old = self._pending[rank]
+            new = RankColumns.of(old.info, parse_records(text)[1])
+            self._pending[rank] = concat(old, new)
