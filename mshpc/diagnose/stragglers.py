@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,22 +30,21 @@ import numpy as np
 from mshpc.config import DiagnoseConfig, load_config
 from mshpc.diagnose.timers import category
 from mshpc.diagnose.timings import (
-    RankColumns,
+    PHASE_KEY,
     RankInfo,
     Timings,
-    assemble,
-    concat,
-    is_header,
     parse_records,
     rank_file,
     rank_info,
     read_timings,
+    step_table,
 )
 from mshpc.events import append_event
 
 log = logging.getLogger(__name__)
 
-BLAMED = ("compute", "data wait")  # the categories that are a rank's own work
+BLAMED = ("compute", "data wait")
+READ_BYTES = 1 << 20  # the categories that are a rank's own work
 
 
 def median_of_others(seconds: np.ndarray) -> np.ndarray:
@@ -183,13 +183,19 @@ def eviction_candidates(run_dir: Path, cfg: DiagnoseConfig | None = None) -> lis
 class StragglerWatch:
     """Rank 0's live detector, on its timings thread: every `straggler_check_interval_steps` it
     reads what each rank's file gained since the last look (never a byte twice) and feeds the
-    steps every rank has written; each newly flagged rank becomes a `straggler` event."""
+    steps every rank has written; each newly flagged rank becomes a `straggler` event.
+
+    At 12,288 ranks a check touches 12,288 files, so the per-rank work is a read and a split
+    into lines; the lines of all ranks are then parsed as one table (`timings.step_table`) and
+    scattered into (rank, step) arrays in a few numpy calls."""
 
     def __init__(self, run_dir: Path, world_size: int, cfg: DiagnoseConfig, start_step: int) -> None:
         self.run_dir, self.world_size, self.cfg = run_dir, world_size, cfg
+        self._paths = [str(rank_file(run_dir, r)) for r in range(world_size)]  # built once, not per check
         self._offsets = [0] * world_size
         self._partial = [b""] * world_size
-        self._pending: dict[int, RankColumns] = {}  # per rank: the steps not fed to the detector yet
+        self._infos: dict[int, RankInfo] = {}
+        self._pending: list[list[tuple[int, bytes]]] = [[] for _ in range(world_size)]  # (step, line)
         self._detector: StragglerDetector | None = None
         self._next_step = start_step + 1  # earlier steps were judged by the process that trained them
 
@@ -202,13 +208,12 @@ class StragglerWatch:
         """Read, detect, append events; returns the ranks newly flagged."""
         for rank in range(self.world_size):
             self._read_new(rank)
-        if len(self._pending) < self.world_size:
+        if len(self._infos) < self.world_size:
             return []
         if self._detector is None:
-            self._detector = StragglerDetector(self.cfg, [self._pending[r].info for r in range(self.world_size)])
-        # Every rank writes its steps in order, so the steps all have written end at the least
-        # of the ranks' latest.
-        frontier = min((int(c.steps.max()) if len(c.steps) else -1) for c in self._pending.values())
+            self._detector = StragglerDetector(self.cfg, [self._infos[r] for r in range(self.world_size)])
+        # Every rank writes its steps in order: the steps all have written end at the least latest.
+        frontier = min((lines[-1][0] if lines else -1) for lines in self._pending)
         flagged = self._feed(frontier) if frontier >= self._next_step else []
         for s in flagged:
             log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
@@ -217,35 +222,106 @@ class StragglerWatch:
         return flagged
 
     def _feed(self, frontier: int) -> list[Straggler]:
-        """Give the detector the steps from the next one to `frontier` that every rank has."""
+        """Give the detector the steps from the next one to `frontier`, which every rank has."""
         assert self._detector is not None
-        timings = assemble([c for c in self._pending.values()])
-        self._pending = {r: c.after(frontier) for r, c in self._pending.items()}
+        taken: list[list[tuple[int, bytes]]] = []
+        for rank, lines in enumerate(self._pending):
+            cut = next((i for i, (step, _) in enumerate(lines) if step > frontier), len(lines))
+            taken.append([(step, line) for step, line in lines[:cut] if step >= self._next_step])
+            self._pending[rank] = lines[cut:]
+        steps, step_s, phases = step_arrays(taken, self._next_step, frontier)
         flagged = []
-        complete = ~np.isnan(timings.step_s).any(axis=0)
-        for col in np.flatnonzero(complete & (timings.steps >= self._next_step) & (timings.steps <= frontier)):
-            phases = {p: v[:, col] for p, v in timings.phases.items()}
-            flagged += self._detector.update(int(timings.steps[col]), timings.step_s[:, col], phases)
+        for col, step in enumerate(steps):
+            if not np.isnan(step_s[:, col]).any():
+                flagged += self._detector.update(int(step), step_s[:, col], {p: v[:, col] for p, v in phases.items()})
         self._next_step = frontier + 1
         return flagged
 
     def _read_new(self, rank: int) -> None:
         try:
-            with rank_file(self.run_dir, rank).open("rb") as f:
-                f.seek(self._offsets[rank])
-                chunk = f.read()
+            fd = os.open(self._paths[rank], os.O_RDONLY)
         except FileNotFoundError:
             return
+        try:
+            chunk = _read_from(fd, self._offsets[rank])
+        finally:
+            os.close(fd)
         self._offsets[rank] += len(chunk)
         lines = (self._partial[rank] + chunk).split(b"\n")
         self._partial[rank] = lines.pop()  # the part after the last newline: not written whole yet
-        text = [line.decode() for line in lines]
-        starts = [i for i, line in enumerate(text) if is_header(line)]
-        if starts:  # a (re)start of this rank: what it wrote before belongs to an earlier process
-            headers, _ = parse_records(text[starts[-1]:starts[-1] + 1])
-            self._pending[rank] = RankColumns.of(rank_info(headers[0]), [])
-            text = text[starts[-1] + 1:]
-        if rank in self._pending and text:
-            old = self._pending[rank]
-            new = RankColumns.of(old.info, parse_records(text)[1])
-            self._pending[rank] = concat(old, new)
+        if b'{"rank"' in chunk:  # a (re)start of this rank: what it wrote before belongs to an earlier process
+            start = max(i for i, line in enumerate(lines) if line.startswith(b'{"rank"'))
+            headers, _ = parse_records([lines[start].decode()])
+            if headers:
+                self._infos[rank] = rank_info(headers[0])
+            self._pending[rank] = []
+            lines = lines[start + 1:]
+        pending = self._pending[rank]
+        for line in lines:
+            step = line_step(line)
+            if step is not None:
+                pending.append((step, line))
+
+
+def _read_from(fd: int, offset: int) -> bytes:
+    """Everything of the file from `offset` on (pread: no seek, no buffered reader to build)."""
+    parts = []
+    while part := os.pread(fd, READ_BYTES, offset):
+        parts.append(part)
+        offset += len(part)
+        if len(part) < READ_BYTES:
+            break
+    return b"".join(parts)
+
+
+def line_step(line: bytes) -> int | None:
+    """The step of a record line without parsing all of it (the writer puts "step" first); None
+    for a torn line."""
+    if line.startswith(b'{"step": '):
+        head = line[9:line.find(b",")]
+        if head.isdigit():
+            return int(head)
+    record = parse_records([line.decode(errors="replace")])[1]
+    return int(record[0]["step"]) if record and "step" in record[0] else None
+
+
+def step_arrays(lines: list[list[tuple[int, bytes]]], first: int, last: int
+                ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Each rank's (step, line) records -> (steps first..last, step_s and {phase: seconds} as
+    (ranks, steps) arrays, NaN where a rank lacks a step). All lines parse as one table when
+    they share their keys (the usual case); otherwise line by line."""
+    steps = np.arange(first, last + 1)
+    rows = np.repeat(np.arange(len(lines)), [len(x) for x in lines])
+    cols = np.array([step for x in lines for step, _ in x], dtype=np.int64) - first
+    blob = b"\n".join(line for x in lines for _, line in x) + b"\n"
+    table = step_table(blob) if len(rows) else None
+    if table is not None:
+        keys, values = table
+        column = {key: values[:, i] for i, key in enumerate(keys)}
+    else:
+        rows, cols, column = _parse_each(lines, first)
+    step_s = np.full((len(lines), len(steps)), np.nan)
+    step_s[rows, cols] = column["step_s"]
+    phases = {}
+    for key, values in column.items():
+        if key.startswith(PHASE_KEY):
+            phases[key[len(PHASE_KEY):]] = grid = np.where(np.isnan(step_s), np.nan, 0.0)
+            grid[rows, cols] = values
+    return steps, step_s, phases
+
+
+def _parse_each(lines: list[list[tuple[int, bytes]]], first: int
+                ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """step_arrays' slow path: each line on its own (a phase only some steps have, a torn line)."""
+    found = []
+    for rank, pairs in enumerate(lines):
+        for step, line in pairs:
+            records = parse_records([line.decode(errors="replace")])[1]
+            if records and isinstance(records[0].get("phases"), dict):
+                found.append((rank, step - first, records[0]))
+    names = sorted({p for _, _, r in found for p in r["phases"]})
+    column = {"step_s": np.array([r["step_s"] for _, _, r in found], dtype=float)}
+    column.update({PHASE_KEY + p: np.array([r["phases"].get(p, 0.0) for _, _, r in found], dtype=float)
+                   for p in names})
+    return (np.array([r for r, _, _ in found], dtype=np.int64), np.array([c for _, c, _ in found], dtype=np.int64),
+            column)

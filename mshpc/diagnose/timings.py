@@ -208,27 +208,6 @@ class RankColumns:
         keep = len(steps) - 1 - last
         return RankColumns(info, steps[keep], step_s[keep], {p: v[keep] for p, v in phases.items()})
 
-    def after(self, step: int) -> RankColumns:
-        """The records of steps after `step`."""
-        keep = self.steps > step
-        return RankColumns(self.info, self.steps[keep], self.step_s[keep], {p: v[keep] for p, v in self.phases.items()})
-
-
-def concat(old: RankColumns, new: RankColumns) -> RankColumns:
-    """`old`'s records then `new`'s, in step order (a step in both: `new`'s record)."""
-    kept = ~np.isin(old.steps, new.steps)
-    steps = np.concatenate([old.steps[kept], new.steps])
-    order = np.argsort(steps, kind="stable")
-
-    def join(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray:
-        a = old.step_s[kept] * 0 if a is None else a[kept]  # a phase one side lacks: 0 there
-        b = new.step_s * 0 if b is None else b
-        return np.concatenate([a, b])[order]
-
-    names = sorted(set(old.phases) | set(new.phases))
-    return RankColumns(new.info, steps[order], join(old.step_s, new.step_s),
-                       {p: join(old.phases.get(p), new.phases.get(p)) for p in names})
-
 
 def read_rank_file(path: Path) -> RankColumns | None:
     """One rank's file (None without a header): its last header names the rank. A file of one
@@ -237,21 +216,21 @@ def read_rank_file(path: Path) -> RankColumns | None:
     data = path.read_bytes()
     head, _, body = data.partition(b"\n")
     if head.startswith(b'{"rank"') and b'{"rank"' not in body:
-        table = _table(body)
+        table = step_table(body)
         if table is not None:
             keys, values = table
             column = {key: values[:, i] for i, key in enumerate(keys)}
-            phases = {key[len(_PHASE):]: v for key, v in column.items() if key.startswith(_PHASE)}
+            phases = {key[len(PHASE_KEY):]: v for key, v in column.items() if key.startswith(PHASE_KEY)}
             return RankColumns.last_per_step(rank_info(json.loads(head)), column["step"].astype(np.int64),
                                              column["step_s"], phases)
     headers, records = parse_records(data.decode(errors="replace").splitlines())
     return RankColumns.of(rank_info(headers[-1]), records) if headers else None
 
 
-_PHASE = "phases/"
+PHASE_KEY = "phases/"
 
 
-def _table(body: bytes) -> tuple[list[str], np.ndarray] | None:
+def step_table(body: bytes) -> tuple[list[str], np.ndarray] | None:
     """Whole step lines that all have the same keys in the same order, as (keys, a (lines, keys)
     table of their numbers); None for anything else (a torn line, a phase only some steps have),
     which the caller parses line by line. Without braces and commas a line is `"key": value`
@@ -267,7 +246,7 @@ def _table(body: bytes) -> tuple[list[str], np.ndarray] | None:
         return None
     keys = _flat_keys(first)
     tokens = body.replace(b'"phases": {', b"").translate(None, b"{},").split()
-    names = [f'"{key.removeprefix(_PHASE)}":'.encode() for key in keys]
+    names = [f'"{key.removeprefix(PHASE_KEY)}":'.encode() for key in keys]
     if len(tokens) != 2 * n * len(keys) or tokens[0::2] != names * n or not {"step", "step_s"} <= set(keys):
         return None
     try:
@@ -281,7 +260,7 @@ def _flat_keys(record: dict[str, Any]) -> list[str]:
     """A step record's keys in order, its phases as "phases/<name>"."""
     keys = []
     for key, value in record.items():
-        keys += [_PHASE + p for p in value] if key == "phases" and isinstance(value, dict) else [key]
+        keys += [PHASE_KEY + p for p in value] if key == "phases" and isinstance(value, dict) else [key]
     return keys
 
 
