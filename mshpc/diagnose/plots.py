@@ -142,8 +142,8 @@ def mesh_view(a: Analysis, path: Path) -> Path:
             if c.pp == stage:
                 grid[c.dp, c.tp] = r.relative_score
         ax.imshow(grid, cmap=cmap, norm=norm, aspect="auto")
-        ax.set_title(f"mesh dp={p.dp} tp={p.tp} pp={p.pp}: stage pp={stage}")
-        ax.set_xticks(range(p.tp), [f"tp{t}" for t in range(p.tp)])
+        ax.set_title(f"stage pp={stage}" if p.pp > 2 else f"mesh dp={p.dp} tp={p.tp} pp={p.pp}: stage pp={stage}")
+        ax.set_xticks(range(p.tp), [f"tp{t}" if p.pp <= 2 else str(t) for t in range(p.tp)])
         if p.dp <= MAX_LABELLED_RANKS:
             ax.set_yticks(range(p.dp), [f"dp{d}" for d in range(p.dp)])
         else:
@@ -153,8 +153,11 @@ def mesh_view(a: Analysis, path: Path) -> Path:
                 dep = f"\nwaits on r{r.dependency.rank} ({r.dependency.group})" if r.dependency else ""
                 ax.text(coords.tp, coords.dp, f"r{r.info.rank} {r.info.host}\nscore {r.relative_score:.2f}{dep}",
                         ha="center", va="center", fontsize=7)
-    if not labelled:
-        _mark_slowest(axes[0], a.ranks[:NAMED_IN_MESH])
+    if p.pp > 2:
+        fig.suptitle(f"mesh dp={p.dp} x tp={p.tp} (columns) in each of pp={p.pp} stages")
+    if not labelled:  # the stragglers, or else the slowest rank: circling healthy ranks says nothing
+        flagged = {s.rank for s in a.stragglers}
+        _mark_slowest(axes[0], [r for r in a.ranks if r.info.rank in flagged][:NAMED_IN_MESH] or a.ranks[:1])
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes[0].tolist(),
                  label="relative compute score (1 = the other ranks' median)")
     return _save(fig, path)
