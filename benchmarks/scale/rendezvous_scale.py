@@ -159,6 +159,37 @@ def run(world: int, lazy: bool) -> dict:
                 g["bytes"] for g in got), "bytes_total": sum(g["bytes"] for g in got), "ops_total_by_op": by_op}
 
 
+def store_ops_per_s(clients: int = 8, ops: int = 2000) -> float:
+    """Operations per second one real TCPStore serves to `clients` threads, each its own client
+    doing set + get of small keys (what rendezvous does): the store's capacity, which bounds a
+    start-up of `ops per rank x N` operations however many cores the ranks have."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, clients + 1, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    stores = [dist.TCPStore("127.0.0.1", port, clients + 1, is_master=False, timeout=timedelta(seconds=60))
+              for _ in range(clients)]
+
+    def work(i: int) -> None:
+        for k in range(ops // 2):
+            stores[i].set(f"k{i}/{k}", b"x" * 64)
+            stores[i].get(f"k{i}/{k}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rate = clients * ops / (time.perf_counter() - start)
+    del master
+    return rate
+
+
 def slope(ns: list[int], values: list[float]) -> float:
     return float(np.polyfit(np.log(ns), np.log(values), 1)[0])
 
@@ -166,10 +197,14 @@ def slope(ns: list[int], values: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--store-only", action="store_true", help="only the TCPStore's ops/s")
     ap.add_argument("--modes", nargs="+", default=["eager", "lazy"], choices=["eager", "lazy"])
     args = ap.parse_args()
     ns = sorted(args.n)
-    for mode in args.modes:
+    rate = store_ops_per_s()
+    print(json.dumps({"bench": "scale_rendezvous", "metric": "tcpstore_ops_per_s", "value": round(rate),
+                      "unit": "ops/s", "clients": 8}), flush=True)
+    for mode in [] if args.store_only else args.modes:
         rows = []
         for n in ns:
             r = run(n, mode == "lazy")
@@ -179,10 +214,14 @@ def main() -> None:
         ops_exp = slope(ns, [r["ops_per_rank_mean"] for r in rows])
         wall_exp = slope(ns, [r["total_s"] for r in rows])
         at = {m: rows[-1]["total_s"] * (m / ns[-1]) ** wall_exp for m in (2048, 12288)}
+        # the store's share: every rank's operations, extrapolated with their own exponent, served by one store
+        store_s = {m: rows[-1]["ops_total"] * (m / ns[-1]) ** (1 + ops_exp) / rate for m in (2048, 12288)}
         print(json.dumps({"bench": "scale_rendezvous", "mode": mode, "metric": "growth_exponent",
                           "unit": "log-log slope", "N": ns, "ops_per_rank": round(ops_exp, 3),
                           "wall": round(wall_exp, 3), "extrapolated_total_s_2048": round(at[2048], 1),
-                          "extrapolated_total_s_12288": round(at[12288], 1), "paper": PAPER}), flush=True)
+                          "extrapolated_total_s_12288": round(at[12288], 1),
+                          "store_bound_s_2048": round(store_s[2048], 2), "store_bound_s_12288": round(store_s[12288], 2),
+                          "paper": PAPER}), flush=True)
 
 
 if __name__ == "__main__":
