@@ -185,7 +185,7 @@ class StragglerWatch:
     reads what each rank's file gained since the last look (never a byte twice) and feeds the
     steps every rank has written; each newly flagged rank becomes a `straggler` event.
 
-    At 12,288 ranks a check touches 12,288 files, so the per-rank work is a read and a split
+    At 12,288 ranks a check touches 12,288 files, so the per-rank work is one pread and a split
     into lines; the lines of all ranks are then parsed as one table (`timings.step_table`) and
     scattered into (rank, step) arrays in a few numpy calls."""
 
@@ -195,7 +195,8 @@ class StragglerWatch:
         self._offsets = [0] * world_size
         self._partial = [b""] * world_size
         self._infos: dict[int, RankInfo] = {}
-        self._pending: list[list[tuple[int, bytes]]] = [[] for _ in range(world_size)]  # (step, line)
+        self._pending: list[list[bytes]] = [[] for _ in range(world_size)]  # whole lines not fed yet
+        self._last_step = [-1] * world_size  # the latest step each rank wrote
         self._detector: StragglerDetector | None = None
         self._next_step = start_step + 1  # earlier steps were judged by the process that trained them
 
@@ -213,7 +214,7 @@ class StragglerWatch:
         if self._detector is None:
             self._detector = StragglerDetector(self.cfg, [self._infos[r] for r in range(self.world_size)])
         # Every rank writes its steps in order: the steps all have written end at the least latest.
-        frontier = min((lines[-1][0] if lines else -1) for lines in self._pending)
+        frontier = min(self._last_step)
         flagged = self._feed(frontier) if frontier >= self._next_step else []
         for s in flagged:
             log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
@@ -222,14 +223,16 @@ class StragglerWatch:
         return flagged
 
     def _feed(self, frontier: int) -> list[Straggler]:
-        """Give the detector the steps from the next one to `frontier`, which every rank has."""
+        """Give the detector the steps from the next one to `frontier`, which every rank has;
+        lines of later steps wait for the next check."""
         assert self._detector is not None
-        taken: list[list[tuple[int, bytes]]] = []
-        for rank, lines in enumerate(self._pending):
-            cut = next((i for i, (step, _) in enumerate(lines) if step > frontier), len(lines))
-            taken.append([(step, line) for step, line in lines[:cut] if step >= self._next_step])
-            self._pending[rank] = lines[cut:]
-        steps, step_s, phases = step_arrays(taken, self._next_step, frontier)
+        lines, self._pending = self._pending, [[] for _ in range(self.world_size)]
+        rows, index, column = line_table(lines)
+        flat = [line for x in lines for line in x]
+        for row, i in zip(rows[column["step"] > frontier].tolist(), index[column["step"] > frontier].tolist(),
+                          strict=True):
+            self._pending[row].append(flat[i])
+        steps, step_s, phases = step_arrays(rows, column, self._next_step, frontier, self.world_size)
         flagged = []
         for col, step in enumerate(steps):
             if not np.isnan(step_s[:, col]).any():
@@ -254,13 +257,14 @@ class StragglerWatch:
             headers, _ = parse_records([lines[start].decode()])
             if headers:
                 self._infos[rank] = rank_info(headers[0])
-            self._pending[rank] = []
+            self._pending[rank], self._last_step[rank] = [], -1
             lines = lines[start + 1:]
-        pending = self._pending[rank]
-        for line in lines:
+        for line in reversed(lines):  # only the last step is needed now; the table has the others
             step = line_step(line)
             if step is not None:
-                pending.append((step, line))
+                self._last_step[rank] = step
+                break
+        self._pending[rank] += lines
 
 
 def _read_from(fd: int, offset: int) -> bytes:
@@ -285,43 +289,43 @@ def line_step(line: bytes) -> int | None:
     return int(record[0]["step"]) if record and "step" in record[0] else None
 
 
-def step_arrays(lines: list[list[tuple[int, bytes]]], first: int, last: int
-                ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """Each rank's (step, line) records -> (steps first..last, step_s and {phase: seconds} as
-    (ranks, steps) arrays, NaN where a rank lacks a step). All lines parse as one table when
-    they share their keys (the usual case); otherwise line by line."""
-    steps = np.arange(first, last + 1)
+def line_table(lines: list[list[bytes]]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Each rank's record lines -> (rank of each parsed line, its index among all lines, its
+    columns: "step", "step_s" and "phases/<name>"). All lines parse as one table when they share
+    their keys (the usual case); otherwise line by line, torn ones left out."""
     rows = np.repeat(np.arange(len(lines)), [len(x) for x in lines])
-    cols = np.array([step for x in lines for step, _ in x], dtype=np.int64) - first
-    blob = b"\n".join(line for x in lines for _, line in x) + b"\n"
-    table = step_table(blob) if len(rows) else None
+    flat = [line for x in lines for line in x]
+    table = step_table(b"\n".join(flat) + b"\n") if flat else None
     if table is not None:
         keys, values = table
-        column = {key: values[:, i] for i, key in enumerate(keys)}
-    else:
-        rows, cols, column = _parse_each(lines, first)
-    step_s = np.full((len(lines), len(steps)), np.nan)
-    step_s[rows, cols] = column["step_s"]
+        return rows, np.arange(len(flat)), {key: values[:, i] for i, key in enumerate(keys)}
+    found = []
+    for i, line in enumerate(flat):
+        records = parse_records([line.decode(errors="replace")])[1]
+        if records and isinstance(records[0].get("phases"), dict) and "step" in records[0]:
+            found.append((i, records[0]))
+    index = np.array([i for i, _ in found], dtype=np.int64)
+    names = sorted({p for _, r in found for p in r["phases"]})
+    column = {"step": np.array([r["step"] for _, r in found], dtype=float),
+              "step_s": np.array([r["step_s"] for _, r in found], dtype=float)}
+    column.update({PHASE_KEY + p: np.array([r["phases"].get(p, 0.0) for _, r in found], dtype=float)
+                   for p in names})
+    return rows[index], index, column
+
+
+def step_arrays(rows: np.ndarray, column: dict[str, np.ndarray], first: int, last: int, n_ranks: int
+                ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """line_table's columns -> (steps first..last, step_s and {phase: seconds} as (ranks, steps)
+    arrays, NaN where a rank lacks a step); lines of other steps are left out."""
+    steps = np.arange(first, last + 1)
+    cols = column["step"].astype(np.int64) - first
+    keep = (cols >= 0) & (cols < len(steps))
+    rows, cols = rows[keep], cols[keep]
+    step_s = np.full((n_ranks, len(steps)), np.nan)
+    step_s[rows, cols] = column["step_s"][keep]
     phases = {}
     for key, values in column.items():
         if key.startswith(PHASE_KEY):
             phases[key[len(PHASE_KEY):]] = grid = np.where(np.isnan(step_s), np.nan, 0.0)
-            grid[rows, cols] = values
+            grid[rows, cols] = values[keep]
     return steps, step_s, phases
-
-
-def _parse_each(lines: list[list[tuple[int, bytes]]], first: int
-                ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """step_arrays' slow path: each line on its own (a phase only some steps have, a torn line)."""
-    found = []
-    for rank, pairs in enumerate(lines):
-        for step, line in pairs:
-            records = parse_records([line.decode(errors="replace")])[1]
-            if records and isinstance(records[0].get("phases"), dict):
-                found.append((rank, step - first, records[0]))
-    names = sorted({p for _, _, r in found for p in r["phases"]})
-    column = {"step_s": np.array([r["step_s"] for _, _, r in found], dtype=float)}
-    column.update({PHASE_KEY + p: np.array([r["phases"].get(p, 0.0) for _, _, r in found], dtype=float)
-                   for p in names})
-    return (np.array([r for r, _, _ in found], dtype=np.int64), np.array([c for _, c, _ in found], dtype=np.int64),
-            column)

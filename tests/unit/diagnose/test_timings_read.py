@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from mshpc.diagnose.stragglers import step_arrays
+from mshpc.diagnose.stragglers import line_table, step_arrays
 from mshpc.diagnose.timings import RankColumns, RankInfo, header, parse_records, rank_info, read_rank_file, step_table
 from mshpc.mesh_shape import Coords
 
@@ -63,9 +63,12 @@ def test_step_table_refuses_a_value_that_is_not_a_number():
 
 
 def test_watch_arrays_place_each_rank_and_step_and_leave_holes_nan():
-    lines = [[(5, line(5, forward=1.0).encode().strip()), (6, line(6, forward=2.0).encode().strip())],
-             [(6, line(6, forward=4.0, data=0.5).encode().strip())]]
-    steps, step_s, phases = step_arrays(lines, 5, 6)
+    lines = [[line(5, forward=1.0).encode().strip(), line(6, forward=2.0).encode().strip(),
+              line(7, forward=9.0).encode().strip()],
+             [line(6, forward=4.0, data=0.5).encode().strip(), b'{"step": 7, "ti']]  # torn
+    rows, index, column = line_table(lines)
+    assert rows.tolist() == [0, 0, 0, 1] and index.tolist() == [0, 1, 2, 3]  # the torn line left out
+    steps, step_s, phases = step_arrays(rows, column, 5, 6, 2)  # step 7: not every rank has it yet
     assert steps.tolist() == [5, 6]
     assert np.isnan(step_s[1, 0]) and step_s[0].tolist() == [1.0, 2.0] and step_s[1, 1] == 4.5
     assert phases["forward"][1, 1] == 4.0 and phases["data"][0].tolist() == [0.0, 0.0]
