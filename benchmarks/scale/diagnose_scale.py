@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=DiagnoseConfig().straggler_check_interval_steps)
     ap.add_argument("--checks", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/mshpc-scale-diagnose"))
+    ap.add_argument("--check-only", action="store_true", help="only the straggler check, not diagnose")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (report/ to look at)")
     args = ap.parse_args()
     per_check, walls, peaks = [], [], []
@@ -108,6 +109,8 @@ def main() -> None:
         emit(metric="straggler_check_s", value=round(cost, 4), unit="s", N=n, interval_steps=args.interval,
              share_of_5s_step_per_check=round(cost / STEP_S, 5),
              share_of_5s_step_per_step=round(cost / args.interval / STEP_S, 5))
+        if args.check_only:
+            continue
         run_dir = args.work / f"run-{n}"
         gen = time.perf_counter()
         write_run(run_dir, n, args.steps, slow_rank=n // 2 + 3, root=ROOT)
@@ -120,7 +123,8 @@ def main() -> None:
             shutil.rmtree(run_dir, ignore_errors=True)
     if len(args.n) > 1:
         ns = sorted(args.n)
-        emit(metric="growth_exponent", check=slope(ns, per_check), diagnose_wall=slope(ns, walls),
+        emit(metric="growth_exponent", check=slope(ns, per_check),
+             diagnose_wall=slope(ns, walls) if walls else None,
              unit="log-log slope", N=ns, n_log_n_at_top=round(1 + 1 / math.log(ns[-1]), 3))
 
 

@@ -44,7 +44,8 @@ from mshpc.events import append_event
 log = logging.getLogger(__name__)
 
 BLAMED = ("compute", "data wait")
-READ_BYTES = 1 << 20  # the categories that are a rank's own work
+READ_BYTES = 1 << 20
+RANK_CHUNK = 512  # ranks per slice of a rolling median over a whole run  # the categories that are a rank's own work
 
 
 def median_of_others(seconds: np.ndarray) -> np.ndarray:
@@ -73,8 +74,12 @@ def individual_scores(history: np.ndarray, window: int, floor: float) -> np.ndar
     steps of its history, over its median of the last `window` (None with under two windows)."""
     if len(history) < 2 * window:
         return None
-    windows = np.lib.stride_tricks.sliding_window_view(history, window, axis=0)  # (n, ranks, window)
-    best = np.nanmin(np.nanmedian(windows, axis=2), axis=0)
+    best = np.empty(history.shape[1:])
+    # a rank chunk at a time: the windows' median copies (steps x ranks x window) floats, which
+    # for 12,288 ranks x 1,000 steps was 1 GB at once (and twice that inside nanmedian)
+    for lo in range(0, history.shape[1], RANK_CHUNK):
+        windows = np.lib.stride_tricks.sliding_window_view(history[:, lo:lo + RANK_CHUNK], window, axis=0)
+        best[lo:lo + RANK_CHUNK] = np.nanmin(np.nanmedian(windows, axis=2), axis=0)  # (n, ranks, window) -> (ranks,)
     recent = np.nanmedian(history[-window:], axis=0)
     return np.maximum(best, floor) / np.maximum(recent, floor)
 
