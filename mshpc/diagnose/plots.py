@@ -78,15 +78,20 @@ def compute_heatmap(a: Analysis, path: Path) -> Path:
     slow = {s.rank for s in a.stragglers}
     if per_node:
         scores = _scores_in_rank_order(a)
-        named = slowest_first(scores, nodes)[:NAMED_NODES]
+        ranked = slowest_first(scores, nodes)
+        # the stragglers' nodes and the nodes below the threshold; at least the slowest one
+        named = [(g, r) for g, r in ranked[:NAMED_NODES]
+                 if t.ranks[r].rank in slow or scores[r] < a.cfg.diagnose.straggler_threshold] or ranked[:1]
         index = {g.name: n for n, g in enumerate(nodes)}
         ticks = [(index[g.name], f"{g.name}: {rank_label(t.ranks[r])} score {scores[r]:.2f}",
                   t.ranks[r].rank in slow) for g, r in named]
-        ax.set_ylabel(f"{len(nodes)} nodes (rows, in rank order); the {len(ticks)} slowest named")
+        ax.set_ylabel(f"{len(nodes)} nodes (rows, in rank order); named: the slowest")
     else:
         ticks = [(i, rank_label(r) + ("  ◀ straggler" if r.rank in slow else ""), r.rank in slow)
                  for i, r in enumerate(t.ranks)]
     ax.set_yticks([row for row, _, _ in ticks], [label for _, label, _ in ticks])
+    if per_node:  # a row is one pixel or less at 1,536 nodes: point at the named ones
+        ax.plot([t.steps[0] - 0.5] * len(ticks), [row for row, _, _ in ticks], ">", color=SLOW, ms=9, clip_on=False)
     for label, (_, _, flagged) in zip(ax.get_yticklabels(), ticks, strict=True):
         if flagged:
             label.set_color(SLOW)
@@ -146,7 +151,7 @@ def mesh_view(a: Analysis, path: Path) -> Path:
         ax.set_xticks(range(p.tp), [f"tp{t}" if p.pp <= 2 else str(t) for t in range(p.tp)])
         if p.dp <= MAX_LABELLED_RANKS:
             ax.set_yticks(range(p.dp), [f"dp{d}" for d in range(p.dp)])
-        else:
+        elif stage == 0:
             ax.set_ylabel(f"dp 0-{p.dp - 1} (a row: one tp group, one node)")
         for coords, r in by_coords.items():
             if coords.pp == stage and labelled:
