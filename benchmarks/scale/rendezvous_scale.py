@@ -8,8 +8,9 @@ rest, then one all-reduce in each of its groups and in the world (gloo connects 
 TORCH_GLOO_LAZY_INIT is set, so the first collective is where those connections are paid). The
 store the process group uses is counted by a thin `dist.Store` subclass that forwards every call
 to the real TCPStore (the instrumentation: no call is answered by it). Modes: `eager` (gloo
-connects every pair of a group when it is created: mshpc before issue #20) and `lazy`
-(TORCH_GLOO_LAZY_INIT=1, mshpc's default now: a pair connects on its first message). Time runs from a common start after torch is imported.
+connects every pair of a group when it is created: mshpc's default) and `lazy`
+(TORCH_GLOO_LAZY_INIT=1: a pair connects on its first message; it hangs mshpc's pipeline
+sends on gloo today, see README's Scale section). Time runs from a common start after torch is imported.
 
     .venv/bin/python benchmarks/scale/rendezvous_scale.py [--n 8 16 32] [--modes eager lazy]
 """
@@ -90,7 +91,7 @@ def counting_store(inner):  # type: ignore[no-untyped-def]
 
 
 def worker(rank: int, world: int, port: int, lazy: bool, barrier, conn) -> None:  # type: ignore[no-untyped-def]
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"  # mshpc's default is lazy
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"  # eager: mshpc's default
     import torch
     import torch.distributed as dist
 

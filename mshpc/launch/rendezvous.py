@@ -7,20 +7,12 @@ The store lives on rank 0. torch's store client sleeps about a second after each
 connection, and ranks routinely start before rank 0 listens (rank 0 is one process among many
 importing torch), so a start-up of many ranks paid whole seconds at random; the other ranks now
 poll the port every few milliseconds first and connect once it accepts (benchmarks/init_groups.py).
-
-gloo connects every pair of a group's ranks when the group is created: for the world group that
-is N-1 connections and 2(N-1) store reads per rank, N^2 in all (12,288 ranks: 151 million store
-operations against one store), and most of start-up at 32 local ranks. Lazily (torch's
-TORCH_GLOO_LAZY_INIT), a pair connects on its first message: start-up costs each rank a constant
-number of store operations, and a rank connects only to the peers its collectives reach
-(benchmarks/scale/rendezvous_scale.py). Set TORCH_GLOO_LAZY_INIT=0 to connect eagerly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 import subprocess
 import time
@@ -38,7 +30,6 @@ log = logging.getLogger(__name__)
 
 SLURM_PORT_BASE = 20000  # job-derived ports land in [20000, 40000)
 STORE_POLL_S = 0.01  # how often a rank looks for rank 0's store before connecting to it
-GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # read by torch when it creates each gloo group
 
 
 @dataclass(frozen=True)
@@ -123,9 +114,6 @@ def init_distributed(env: LaunchEnv, timeout_s: float = 600.0) -> DistInfo:
     """Create the default process group for this rank; every rank of the job must call it."""
     backend = pick_backend()
     timeout = timedelta(seconds=timeout_s)
-    # set, not read: torch reads it for every gloo group (the world's here, and the gloo groups
-    # of checkpoints and preflight on GPU jobs); a user's own setting wins
-    os.environ.setdefault(GLOO_LAZY_INIT, "1")
     if env.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
