@@ -13,6 +13,7 @@ dataset's bytes lie. So no byte is read by two ranks of a dp group.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,10 @@ def plan_reads(reader: CheckpointReader, needs: list[list[Request]]) -> list[Ass
     """Who reads what: every entry some rank needs goes to one of the ranks needing it, largest
     entries first to the one with the fewest bytes so far, so the group's reads are spread.
     A pure function of the manifest and `needs`: every rank computes the same plan."""
+    index = EntryIndex(reader)
     needers: dict[TensorEntry, list[int]] = {}
     for rank, requests in enumerate(needs):
-        for e in reader.entries_for(requests):
+        for e in index.entries_for(requests):
             needers.setdefault(e, []).append(rank)
     load = [0] * len(needs)
     plan = []
@@ -47,6 +49,35 @@ def plan_reads(reader: CheckpointReader, needs: list[list[Request]]) -> list[Ass
         load[rank] += entry_nbytes(e)
         plan.append(Assignment(e, rank, tuple(needers[e])))
     return sorted(plan, key=lambda a: (a.entry.file, a.entry.offset or 0, a.entry.dataset))
+
+
+class EntryIndex:
+    """Each tensor's entries sorted by start, so the entries a range touches are found by
+    bisection: after a dp change at 12,288 ranks a tensor has one entry per old dp rank and a
+    group asks for one range per new dp rank, and scanning every entry for every range made
+    the plan grow as dp squared (benchmarks/scale/checkpoint_scale.py)."""
+
+    def __init__(self, reader: CheckpointReader) -> None:
+        self._reader = reader
+        self._sorted: dict[str, tuple[list[int], list[TensorEntry]]] = {}
+
+    def _by_start(self, name: str) -> tuple[list[int], list[TensorEntry]]:
+        if name not in self._sorted:
+            entries = sorted(self._reader.entries_for([self._reader.whole(name)]), key=lambda e: e.start)
+            self._sorted[name] = ([e.start for e in entries], entries)
+        return self._sorted[name]
+
+    def entries_for(self, requests: list[Request]) -> list[TensorEntry]:
+        """The entries holding any element of `requests`, each once (as CheckpointReader.entries_for)."""
+        found: dict[TensorEntry, None] = {}
+        for name, start, numel in requests:
+            starts, entries = self._by_start(name)
+            i = max(0, bisect.bisect_right(starts, start) - 1)  # the entry holding `start`, or the first
+            while i < len(entries) and entries[i].start < start + numel:
+                if start < entries[i].stop:
+                    found[entries[i]] = None
+                i += 1
+        return list(found)
 
 
 def load_for_group(reader: CheckpointReader, requests: list[Request], group: dist.ProcessGroup,

@@ -16,10 +16,11 @@ manifests written before it existed lack it, and the reader asks h5py instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,19 @@ class Manifest:
 
 
 def to_json(m: Manifest) -> str:
-    data = asdict(m)
-    return json.dumps({"format": FORMAT, "version": VERSION, **data}, indent=1)
+    """One line per tensor entry: readable with grep and head, and about 8x faster to write at
+    12,288 ranks (millions of entries) than `asdict` and `indent`, which copy and indent every
+    field (benchmarks/scale/checkpoint_scale.py)."""
+    head = {"format": FORMAT, "version": VERSION, "step": m.step, "config_hash": m.config_hash,
+            "layout": m.layout, "created_unix": m.created_unix, "extras": m.extras}
+    fields = [f.name for f in dataclasses.fields(TensorEntry)]
+    entries = ",\n".join(json.dumps(dict(zip(fields, astuple_shallow(e), strict=True)), separators=(",", ":"))
+                          for e in m.tensors)
+    return json.dumps(head)[:-1] + ', "tensors": [\n' + entries + "\n]}\n"
+
+
+def astuple_shallow(e: TensorEntry) -> tuple[Any, ...]:
+    return (e.name, e.global_shape, e.dtype, e.file, e.dataset, e.start, e.numel, e.crc32, e.offset)
 
 
 def write_manifest(folder: Path, m: Manifest) -> None:

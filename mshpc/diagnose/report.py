@@ -8,8 +8,11 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
 from mshpc.diagnose import plots
 from mshpc.diagnose.analysis import Analysis, RankSummary, analyse, mfu_trend
+from mshpc.diagnose.by_node import by_host, slowest_first
 from mshpc.diagnose.timers import CATEGORIES
 
 REPORT_DIR = "report"
@@ -98,6 +101,30 @@ def _rank_rows(a: Analysis) -> list[list[str]]:
     return rows
 
 
+RANK_HEAD = ["rank", "host", "coords", "step ms", *(f"{c} ms" for c in CATEGORIES),
+             "relative", "individual", "slowest dependency", ""]
+
+
+def _ranks_section(a: Analysis) -> str:
+    """Every rank in one table; past MAX_LABELLED_RANKS, one line per node, slowest first, each
+    opening (a <details>, no script) on its ranks."""
+    rows = _rank_rows(a)  # in rank order
+    if len(rows) <= plots.MAX_LABELLED_RANKS:
+        return "<h2>Ranks (medians per step)</h2>" + _table(RANK_HEAD, rows)
+    ranks = sorted(a.ranks, key=lambda r: r.info.rank)
+    flagged = {s.rank for s in a.stragglers}
+    nodes = slowest_first(np.array([r.relative_score for r in ranks]), by_host([r.info for r in ranks]))
+    parts = [f"<h2>Nodes ({len(nodes)}), slowest first: open one for its ranks (medians per step)</h2>"]
+    for group, worst in nodes:
+        r = ranks[worst]
+        mark = "  STRAGGLER" if any(ranks[i].info.rank in flagged for i in group.rows) else ""
+        summary = (f"{group.name}: slowest rank {r.info.rank} {_coords(r)}, score {r.relative_score:.2f}, "
+                   f"compute {1e3 * r.categories['compute']:.1f} ms{mark}")
+        parts.append(f"<details{' open' if mark else ''}><summary>{html.escape(summary)}</summary>"
+                     + _table(RANK_HEAD, [rows[i] for i in group.rows]) + "</details>")
+    return "\n".join(parts)
+
+
 def _event_rows(a: Analysis) -> list[list[str]]:
     rows = []
     for e in a.events:
@@ -110,7 +137,7 @@ def _event_rows(a: Analysis) -> list[list[str]]:
 STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
          "table{border-collapse:collapse;font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;"
          "padding:3px 7px;text-align:right}th{background:#f3f3f3}pre{background:#f7f7f7;padding:1em}"
-         "img{max-width:100%;display:block;margin:1em 0}")
+         "img{max-width:100%;display:block;margin:1em 0}summary{cursor:pointer;font-family:monospace}")
 
 
 def render_html(a: Analysis, images: dict[str, str]) -> str:
@@ -122,9 +149,7 @@ def render_html(a: Analysis, images: dict[str, str]) -> str:
     for title, name in images.items():
         parts.append(f"<h2>{html.escape(title)}</h2><img src='{html.escape(name)}' alt='{html.escape(title)}'>")
     if a.ranks:
-        head = ["rank", "host", "coords", "step ms", *(f"{c} ms" for c in CATEGORIES),
-                "relative", "individual", "slowest dependency", ""]
-        parts.append("<h2>Ranks (medians per step)</h2>" + _table(head, _rank_rows(a)))
+        parts.append(_ranks_section(a))
     if a.phase_share:
         rows = [[p, f"{100 * s:.1f}%"] for p, s in a.phase_share.items()]
         parts.append("<h2>Phases (median rank's share of a step)</h2>" + _table(["phase", "share"], rows))

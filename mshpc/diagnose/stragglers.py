@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,20 +30,22 @@ import numpy as np
 from mshpc.config import DiagnoseConfig, load_config
 from mshpc.diagnose.timers import category
 from mshpc.diagnose.timings import (
+    PHASE_KEY,
     RankInfo,
     Timings,
-    is_header,
-    parse_lines,
+    parse_records,
     rank_file,
     rank_info,
     read_timings,
-    to_arrays,
+    step_table,
 )
 from mshpc.events import append_event
 
 log = logging.getLogger(__name__)
 
-BLAMED = ("compute", "data wait")  # the categories that are a rank's own work
+BLAMED = ("compute", "data wait")
+READ_BYTES = 1 << 20
+RANK_CHUNK = 512  # ranks per slice of a rolling median over a whole run  # the categories that are a rank's own work
 
 
 def median_of_others(seconds: np.ndarray) -> np.ndarray:
@@ -71,8 +74,12 @@ def individual_scores(history: np.ndarray, window: int, floor: float) -> np.ndar
     steps of its history, over its median of the last `window` (None with under two windows)."""
     if len(history) < 2 * window:
         return None
-    windows = np.lib.stride_tricks.sliding_window_view(history, window, axis=0)  # (n, ranks, window)
-    best = np.nanmin(np.nanmedian(windows, axis=2), axis=0)
+    best = np.empty(history.shape[1:])
+    # a rank chunk at a time: the windows' median copies (steps x ranks x window) floats, which
+    # for 12,288 ranks x 1,000 steps was 1 GB at once (and twice that inside nanmedian)
+    for lo in range(0, history.shape[1], RANK_CHUNK):
+        windows = np.lib.stride_tricks.sliding_window_view(history[:, lo:lo + RANK_CHUNK], window, axis=0)
+        best[lo:lo + RANK_CHUNK] = np.nanmin(np.nanmedian(windows, axis=2), axis=0)  # (n, ranks, window) -> (ranks,)
     recent = np.nanmedian(history[-window:], axis=0)
     return np.maximum(best, floor) / np.maximum(recent, floor)
 
@@ -180,15 +187,21 @@ def eviction_candidates(run_dir: Path, cfg: DiagnoseConfig | None = None) -> lis
 
 class StragglerWatch:
     """Rank 0's live detector, on its timings thread: every `straggler_check_interval_steps` it
-    reads what each rank's file gained since the last look and feeds the steps every rank has
-    written; each newly flagged rank becomes a `straggler` event."""
+    reads what each rank's file gained since the last look (never a byte twice) and feeds the
+    steps every rank has written; each newly flagged rank becomes a `straggler` event.
+
+    At 12,288 ranks a check touches 12,288 files, so the per-rank work is one pread and a split
+    into lines; the lines of all ranks are then parsed as one table (`timings.step_table`) and
+    scattered into (rank, step) arrays in a few numpy calls."""
 
     def __init__(self, run_dir: Path, world_size: int, cfg: DiagnoseConfig, start_step: int) -> None:
         self.run_dir, self.world_size, self.cfg = run_dir, world_size, cfg
+        self._paths = [str(rank_file(run_dir, r)) for r in range(world_size)]  # built once, not per check
         self._offsets = [0] * world_size
-        self._partial = [""] * world_size
-        self._pending: dict[int, dict[int, dict]] = collections.defaultdict(dict)  # step -> rank -> record
+        self._partial = [b""] * world_size
         self._infos: dict[int, RankInfo] = {}
+        self._pending: list[list[bytes]] = [[] for _ in range(world_size)]  # whole lines not fed yet
+        self._last_step = [-1] * world_size  # the latest step each rank wrote
         self._detector: StragglerDetector | None = None
         self._next_step = start_step + 1  # earlier steps were judged by the process that trained them
 
@@ -205,38 +218,119 @@ class StragglerWatch:
             return []
         if self._detector is None:
             self._detector = StragglerDetector(self.cfg, [self._infos[r] for r in range(self.world_size)])
-        flagged = []
-        for step in sorted(s for s, recs in self._pending.items() if len(recs) == self.world_size):
-            records = self._pending.pop(step)
-            if step < self._next_step:
-                continue  # a step trained again after a restart: the detector moved on
-            timings = to_arrays([(self._infos[r], {step: records[r]}) for r in range(self.world_size)])
-            phases = {p: v[:, 0] for p, v in timings.phases.items()}
-            flagged += self._detector.update(step, timings.step_s[:, 0], phases)
-            self._next_step = step + 1
+        # Every rank writes its steps in order: the steps all have written end at the least latest.
+        frontier = min(self._last_step)
+        flagged = self._feed(frontier) if frontier >= self._next_step else []
         for s in flagged:
             log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
                         s.rank, s.host, s.dp, s.tp, s.pp, s.category, s.relative_score, s.since_step)
             append_event(self.run_dir, "straggler", evict_candidate=True, **s.__dict__)
         return flagged
 
+    def _feed(self, frontier: int) -> list[Straggler]:
+        """Give the detector the steps from the next one to `frontier`, which every rank has;
+        lines of later steps wait for the next check."""
+        assert self._detector is not None
+        lines, self._pending = self._pending, [[] for _ in range(self.world_size)]
+        rows, index, column = line_table(lines)
+        flat = [line for x in lines for line in x]
+        for row, i in zip(rows[column["step"] > frontier].tolist(), index[column["step"] > frontier].tolist(),
+                          strict=True):
+            self._pending[row].append(flat[i])
+        steps, step_s, phases = step_arrays(rows, column, self._next_step, frontier, self.world_size)
+        flagged = []
+        for col, step in enumerate(steps):
+            if not np.isnan(step_s[:, col]).any():
+                flagged += self._detector.update(int(step), step_s[:, col], {p: v[:, col] for p, v in phases.items()})
+        self._next_step = frontier + 1
+        return flagged
+
     def _read_new(self, rank: int) -> None:
-        path = rank_file(self.run_dir, rank)
-        if not path.exists():
+        try:
+            fd = os.open(self._paths[rank], os.O_RDONLY)
+        except FileNotFoundError:
             return
-        with path.open("rb") as f:
-            f.seek(self._offsets[rank])
-            chunk = f.read()
+        try:
+            chunk = _read_from(fd, self._offsets[rank])
+        finally:
+            os.close(fd)
         self._offsets[rank] += len(chunk)
-        text = self._partial[rank] + chunk.decode()
-        lines = text.split("\n")
+        lines = (self._partial[rank] + chunk).split(b"\n")
         self._partial[rank] = lines.pop()  # the part after the last newline: not written whole yet
-        starts = [i for i, line in enumerate(lines) if is_header(line)]
-        if starts:  # a (re)start of this rank: what it wrote before belongs to an earlier process
-            headers, _ = parse_lines(lines[starts[-1]:starts[-1] + 1])
-            self._infos[rank] = rank_info(headers[0])
-            lines = lines[starts[-1] + 1:]
-            for records in self._pending.values():
-                records.pop(rank, None)
-        for step, record in parse_lines(lines)[1].items():
-            self._pending[step][rank] = record
+        if b'{"rank"' in chunk:  # a (re)start of this rank: what it wrote before belongs to an earlier process
+            start = max(i for i, line in enumerate(lines) if line.startswith(b'{"rank"'))
+            headers, _ = parse_records([lines[start].decode()])
+            if headers:
+                self._infos[rank] = rank_info(headers[0])
+            self._pending[rank], self._last_step[rank] = [], -1
+            lines = lines[start + 1:]
+        for line in reversed(lines):  # only the last step is needed now; the table has the others
+            step = line_step(line)
+            if step is not None:
+                self._last_step[rank] = step
+                break
+        self._pending[rank] += lines
+
+
+def _read_from(fd: int, offset: int) -> bytes:
+    """Everything of the file from `offset` on (pread: no seek, no buffered reader to build)."""
+    parts = []
+    while part := os.pread(fd, READ_BYTES, offset):
+        parts.append(part)
+        offset += len(part)
+        if len(part) < READ_BYTES:
+            break
+    return b"".join(parts)
+
+
+def line_step(line: bytes) -> int | None:
+    """The step of a record line without parsing all of it (the writer puts "step" first); None
+    for a torn line."""
+    if line.startswith(b'{"step": '):
+        head = line[9:line.find(b",")]
+        if head.isdigit():
+            return int(head)
+    record = parse_records([line.decode(errors="replace")])[1]
+    return int(record[0]["step"]) if record and "step" in record[0] else None
+
+
+def line_table(lines: list[list[bytes]]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Each rank's record lines -> (rank of each parsed line, its index among all lines, its
+    columns: "step", "step_s" and "phases/<name>"). All lines parse as one table when they share
+    their keys (the usual case); otherwise line by line, torn ones left out."""
+    rows = np.repeat(np.arange(len(lines)), [len(x) for x in lines])
+    flat = [line for x in lines for line in x]
+    table = step_table(b"\n".join(flat) + b"\n") if flat else None
+    if table is not None:
+        keys, values = table
+        return rows, np.arange(len(flat)), {key: values[:, i] for i, key in enumerate(keys)}
+    found = []
+    for i, line in enumerate(flat):
+        records = parse_records([line.decode(errors="replace")])[1]
+        if records and isinstance(records[0].get("phases"), dict) and "step" in records[0]:
+            found.append((i, records[0]))
+    index = np.array([i for i, _ in found], dtype=np.int64)
+    names = sorted({p for _, r in found for p in r["phases"]})
+    column = {"step": np.array([r["step"] for _, r in found], dtype=float),
+              "step_s": np.array([r["step_s"] for _, r in found], dtype=float)}
+    column.update({PHASE_KEY + p: np.array([r["phases"].get(p, 0.0) for _, r in found], dtype=float)
+                   for p in names})
+    return rows[index], index, column
+
+
+def step_arrays(rows: np.ndarray, column: dict[str, np.ndarray], first: int, last: int, n_ranks: int
+                ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """line_table's columns -> (steps first..last, step_s and {phase: seconds} as (ranks, steps)
+    arrays, NaN where a rank lacks a step); lines of other steps are left out."""
+    steps = np.arange(first, last + 1)
+    cols = column["step"].astype(np.int64) - first
+    keep = (cols >= 0) & (cols < len(steps))
+    rows, cols = rows[keep], cols[keep]
+    step_s = np.full((n_ranks, len(steps)), np.nan)
+    step_s[rows, cols] = column["step_s"][keep]
+    phases = {}
+    for key, values in column.items():
+        if key.startswith(PHASE_KEY):
+            phases[key[len(PHASE_KEY):]] = grid = np.where(np.isnan(step_s), np.nan, 0.0)
+            grid[rows, cols] = values[keep]
+    return steps, step_s, phases

@@ -1,0 +1,178 @@
+"""The checkpoint's control plane at N = 8 ... 12,288 ranks (issue #20, part 3): manifest size,
+rank 0's commit time, a manifest's parse time on restore, and the restore planner's time after
+a dp change (1,536 -> 1,024 nodes at 12,288 ranks; dp x 2/3 at every N).
+
+The 175B model (configs/gpt-175b.yaml) at tp=8, pp=8 (pp=1 at 8 ranks): each stage's parameter
+sizes come from the real model built on the meta device, cut by tp as parallel/apply.py cuts
+them (every Linear and the embedding split, norms whole), packed by the real ZeRO bucket code
+(`zero_build.build_layouts`, `BucketLayout.pieces`), so each rank's manifest entries are the
+ones its saver would write: master and both moments per piece, its share of the dp-replicated
+model weights, its RNG. Only the bytes are missing: the planner and the manifest never read them.
+The planner is the real `group_read.plan_reads` for one new dp group, each new rank asking for
+its new pieces (what ZeroEngine.load_state_slices reads).
+
+    .venv/bin/python benchmarks/scale/checkpoint_scale.py [--n 8 64 512 4096 12288]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.scale.synthetic_run import shape_for  # noqa: E402
+from mshpc.checkpoint.group_read import plan_reads  # noqa: E402
+from mshpc.checkpoint.manifest import Manifest, TensorEntry, read_manifest, write_manifest  # noqa: E402
+from mshpc.checkpoint.reader import CheckpointReader  # noqa: E402
+from mshpc.checkpoint.state import spread  # noqa: E402
+from mshpc.config import Config, load_config  # noqa: E402
+from mshpc.mesh_shape import Coords, MeshShape  # noqa: E402
+from mshpc.model.gpt import Block  # noqa: E402
+from mshpc.parallel.buckets import BucketLayout  # noqa: E402
+from mshpc.parallel.sharded_optim import STATE_KEYS  # noqa: E402
+from mshpc.parallel.zero_build import build_layouts  # noqa: E402
+
+Param = tuple[str, tuple[int, ...], bool]  # checkpoint key, shape at this tp, tp-replicated
+
+
+def stage_params(cfg: Config, pp_rank: int, tp_rank: int) -> list[Param]:
+    """One (pp, tp) rank's parameters, in registration order, shaped as tp cuts them."""
+    m, tp, pp = cfg.model, cfg.parallel.tp, cfg.parallel.pp
+    with torch.device("meta"):
+        block = Block(m)
+    per = m.n_layer // pp
+    out: list[Param] = []
+
+    def add(name: str, shape: tuple[int, ...], split: bool) -> None:
+        cut = (shape[0] // tp, *shape[1:]) if split else shape
+        out.append((f"{name}@tp{tp_rank}" if split and tp > 1 else name, cut, not split))
+
+    if pp_rank == 0:
+        add("tok_embeddings.weight", (m.vocab_size, m.d_model), True)
+    for layer in range(pp_rank * per, (pp_rank + 1) * per):
+        for name, p in block.named_parameters():
+            owner = block.get_submodule(name.rsplit(".", 1)[0]) if "." in name else block
+            add(f"layers.{layer}.{name}", tuple(p.shape), isinstance(owner, nn.Linear))
+    if pp_rank == pp - 1:
+        add("norm.weight", (m.d_model,), False)
+        add("lm_head.weight", (m.vocab_size, m.d_model), True)
+    return out
+
+
+def rank_entries(params: list[Param], layouts: list[BucketLayout], dp_rank: int, dp: int, rank: int,
+                 offset: int) -> tuple[list[TensorEntry], int]:
+    """The entries rank `rank` (dp rank `dp_rank` of its (pp, tp)) writes to its shard."""
+    file, out = f"shard-{rank:05d}.h5", []
+
+    def entry(name: str, shape: tuple[int, ...], start: int, numel: int, dtype: str = "float32") -> None:
+        nonlocal offset
+        out.append(TensorEntry(name, shape, dtype, file, name, start, numel, 0, offset))
+        offset += numel * 4
+
+    for layout in layouts:
+        for piece in layout.pieces(dp_rank):
+            key, shape, replicated = params[piece.index]
+            if replicated and "@tp" not in key and rank % 8:  # a tp-replicated weight: tp rank 0 saves it
+                continue
+            for prefix in ("master", *(f"optim.{k}" for k in STATE_KEYS)):
+                entry(f"{prefix}/{key}", shape, piece.param_start, piece.numel)
+    sizes = [int(np.prod(s)) * 2 for _, s, _ in params]
+    for i, owner in enumerate(spread(sizes, dp)):
+        key, shape, replicated = params[i]
+        if owner == dp_rank and not (replicated and rank % 8):
+            entry(f"model/{key}", shape, 0, int(np.prod(shape)), "bfloat16")
+    entry(f"rng/cpu/rank-{rank}", (5056,), 0, 5056, "uint8")
+    return out, offset
+
+
+def layouts_for(params: list[Param], cfg: Config, dp: int) -> list[BucketLayout]:
+    bucket_numel = int(cfg.parallel.bucket_mb * 2**20) // 4
+    return build_layouts([int(np.prod(s)) for _, s, _ in params], [r for _, _, r in params],
+                         [False] * len(params), bucket_numel, dp)
+
+
+def manifest_for(cfg: Config, shape: MeshShape) -> Manifest:
+    entries: list[TensorEntry] = []
+    for pp_rank in range(shape.pp):
+        for tp_rank in range(shape.tp):
+            params = stage_params(cfg, pp_rank, tp_rank)
+            layouts = layouts_for(params, cfg, shape.dp)
+            for dp_rank in range(shape.dp):
+                rank = shape.rank(Coords(pp=pp_rank, dp=dp_rank, tp=tp_rank))
+                mine, _ = rank_entries(params, layouts, dp_rank, shape.dp, rank, 4096)
+                entries += mine
+    return Manifest(step=1000, config_hash="synthetic", layout={"dp": shape.dp, "tp": shape.tp, "pp": shape.pp},
+                    tensors=tuple(entries), created_unix=time.time())
+
+
+def new_group_needs(cfg: Config, new_dp: int) -> list[list[tuple[str, int, int]]]:
+    """What each rank of one new dp group (pp=0, tp=0) asks for: its new pieces' ranges."""
+    params = stage_params(cfg, 0, 0)
+    layouts = layouts_for(params, cfg, new_dp)
+    needs = []
+    for dp_rank in range(new_dp):
+        requests = []
+        for layout in layouts:
+            for piece in layout.pieces(dp_rank):
+                key = params[piece.index][0]
+                requests += [(f"{prefix}/{key}", piece.param_start, piece.numel)
+                             for prefix in ("master", *(f"optim.{k}" for k in STATE_KEYS))]
+        needs.append(requests)
+    return needs
+
+
+def slope(ns: list[int], values: list[float]) -> float:
+    return round(float(np.polyfit(np.log(ns), np.log(values), 1)[0]), 3)
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps({"bench": "scale_checkpoint", **fields}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[8, 64, 512, 4096, 12288])
+    args = ap.parse_args()
+    rows: dict[str, list[float]] = {"manifest_bytes": [], "commit_s": [], "parse_s": [], "plan_s": []}
+    ns = sorted(args.n)
+    for n in ns:
+        shape = shape_for(n)
+        cfg = load_config(ROOT / "configs" / "gpt-175b.yaml",
+                          [f"parallel.pp={shape.pp}", f"parallel.dp={shape.dp}", f"parallel.tp={shape.tp}"])
+        manifest = manifest_for(cfg, shape)
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            write_manifest(Path(tmp), manifest)
+            commit = time.perf_counter() - start
+            size = (Path(tmp) / "manifest.json").stat().st_size
+            start = time.perf_counter()
+            read_manifest(Path(tmp))
+            parse = time.perf_counter() - start
+        new_dp = max(1, shape.dp * 2 // 3)
+        needs = new_group_needs(cfg, new_dp)
+        reader = CheckpointReader(Path("/nonexistent"), manifest)  # the planner reads no bytes
+        start = time.perf_counter()
+        plan = plan_reads(reader, needs)
+        plan_s = time.perf_counter() - start
+        for key, value in zip(rows, (size, commit, parse, plan_s), strict=True):
+            rows[key].append(value)
+        emit(N=n, dp=shape.dp, new_dp=new_dp, entries=len(manifest.tensors), manifest_bytes=size,
+             commit_s=round(commit, 3), parse_s=round(parse, 3), plan_s=round(plan_s, 4),
+             plan_group_ranks=new_dp, plan_assignments=len(plan),
+             plan_requests=sum(map(len, needs)))
+    if len(ns) > 1:
+        emit(metric="growth_exponent", unit="log-log slope", N=ns, **{k: slope(ns, v) for k, v in rows.items()})
+
+
+if __name__ == "__main__":
+    main()
