@@ -38,11 +38,12 @@ def test_tp2_killed_and_resumed_run_is_bitwise_identical(tp_straight, tmp_path, 
 
 def _assert_close(got, want):
     # Adam turns a gradient's last-bit difference into a full-size step on a near-zero
-    # moment, so a few weights differ by ~1e-6 after 4 steps; a misplaced slice would be off
-    # by the weights' own size (~1e-2)
+    # moment, so a few weights differ by ~1e-6 after 4 steps (on the corpus with its validation
+    # split held out, one element of 12288 by 1.07e-5: atol 1e-4, as test_resume_gqa.py's); a
+    # misplaced slice would be off by the weights' own size (~1e-2)
     assert got.keys() == want.keys() and len(want) > 0
     for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 def test_tp2_checkpoint_resumes_at_tp1_dp2(straight, tp_straight, tmp_path, corpus_cache):
