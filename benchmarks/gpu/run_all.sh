@@ -12,7 +12,9 @@
 #   bash benchmarks/gpu/run_all.sh              # the real run (needs a CUDA GPU)
 #   bash benchmarks/gpu/run_all.sh --dry-run    # every stage in a tiny form, on any machine
 #
-# Knobs (environment): MSHPC_PYTHON (default .venv/bin/python where it exists, else python3), MSHPC_GPU_STEPS (training steps, 20).
+# Knobs (environment): MSHPC_PYTHON (default .venv/bin/python where it exists, else python3),
+# MSHPC_GPU_STEPS (training steps, 20), MSHPC_STAGE_S (seconds one stage may take, 300: a lease
+# is short, and one stage that hangs must not take the others' time with it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${MSHPC_PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
@@ -25,7 +27,7 @@ say() { echo "run_all: $*" >&2; }
 stage() {  # stage NAME CMD...: run one stage, time it, keep going if it fails
   local name=$1 t0=$SECONDS rc=0; shift
   say "== $name"
-  "$@" || rc=$?
+  timeout --signal=INT --kill-after=15 "${MSHPC_STAGE_S:-300}" "$@" || rc=$?
   echo "{\"bench\": \"gpu_run_all\", \"stage\": \"$name\", \"exit_code\": $rc, \"wall_s\": $((SECONDS - t0)), \"dry_run\": $DRY}"
   FAILED=$((FAILED + (rc != 0)))
 }
