@@ -5,6 +5,11 @@ Tolerances: float64 agrees to rounding (1e-12); float32 to a few ulps (1e-5), th
 summing in another order than torch; bfloat16 and float16 to one ulp of the storage type (2^-7,
 2^-10 relative), since kernel and reference both compute in float32 and round once, and a
 different summation order can move a value across a rounding boundary.
+
+Long reductions (a norm's weight gradient sums 1,400 rows; its input gradient a 4,100-wide dot
+product) lose more than a few ulps to summation order alone, in torch's result as much as in the
+kernel's. There the kernel passes when it is as close to the float64 truth as torch is in the
+same dtype (within 2x and one tolerance step: the criterion of flash-attention's tests).
 """
 
 from __future__ import annotations
@@ -84,15 +89,35 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
     torch.testing.assert_close(got.double(), want.double(), **TOL[dtype])
 
 
+def assert_as_close_as_torch(got: torch.Tensor, want: torch.Tensor, truth: torch.Tensor,
+                             dtype: torch.dtype) -> None:
+    """got within TOL of want; failing that, no further from the float64 truth than torch's own
+    result in the same dtype (want), within 2x plus the tolerance."""
+    try:
+        assert_close(got, want, dtype)
+    except AssertionError:
+        err_got = (got.double() - truth).abs().max().item()
+        err_torch = (want.double() - truth).abs().max().item()
+        assert err_got <= 2 * err_torch + TOL[dtype]["atol"], (
+            f"kernel error {err_got:.3g} against float64, torch's {err_torch:.3g} ({dtype})")
+
+
+def in_float64(args: tuple) -> tuple:
+    return tuple(a.detach().double().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                 for a in args)
+
+
 def check_norm(kind: str, residual: bool, dtype: torch.dtype, device: str = "cpu", **shape: int) -> None:
     """Fused add+norm against its reference: outputs and every gradient."""
     fused, ref = NORMS[kind]
     args = norm_args(kind, dtype, residual, grad=True, device=device, **shape)
     (y, s), (y_ref, s_ref) = fused(*args), ref(*args)
-    assert_close(y, y_ref, dtype)
+    exact = in_float64(args)
+    assert_as_close_as_torch(y, y_ref, ref(*exact)[0], dtype)
     assert torch.equal(s, s_ref)  # one rounding of the same sum
-    for got, want in zip(grads_of(fused, args), grads_of(ref, args)):
-        assert_close(got, want, dtype)
+    truths = grads_of(ref, exact)
+    for got, want, truth in zip(grads_of(fused, args), grads_of(ref, args), truths):
+        assert_as_close_as_torch(got, want, truth, dtype)
 
 
 def check_bias_gelu(bias: bool, dtype: torch.dtype, device: str = "cpu") -> None:

@@ -69,8 +69,9 @@ def test_torch_loader_pins_host_batches_for_a_gpu(dataset: TokenDataset) -> None
 
 def test_doc_mask_attention_on_the_gpu_matches_the_cpu(dataset: TokenDataset) -> None:
     cfg = DataConfig(loader="torch", seed=SEED, doc_mask=True)
-    batch = take(cfg, dataset, torch.device("cpu"), 1)[0]
-    assert int(batch.segments.max()) > 0  # the rows do cross documents
+    # About one 32-token window in ten crosses a document boundary here, so a batch of 8 may
+    # cross none: take the first of a few that does (batch 1 of seed 7).
+    batch = next(b for b in take(cfg, dataset, torch.device("cpu"), 4) if int(b.segments.max()) > 0)
     torch.manual_seed(0)
     model = GPT(ModelConfig(seq_len=SEQ, n_layer=2, n_head=2, d_model=64))
     expected = model(batch.inputs, batch.segments)
