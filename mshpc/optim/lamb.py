@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from mshpc.optim.eager_optimizer import EagerOptimizer
 from mshpc.optim.multi_tensor import init_moments
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(EagerOptimizer):
     """LAMB (You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2):
     r = m_hat / (sqrt(v_hat) + eps) + weight_decay * w, then w -= lr * (||w|| / ||r||) * r,
     with the trust ratio taken per parameter tensor and 1 when either norm is 0."""

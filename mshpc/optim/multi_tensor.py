@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from mshpc.kernels.ops import mshpc_ops
+from mshpc.optim.eager_optimizer import EagerOptimizer
 
 
 def init_moments(state: dict[str, Any], p: torch.Tensor) -> None:
@@ -25,7 +26,7 @@ def advance_steps(states: list[dict[str, Any]]) -> list[int]:
     return [int(t.item()) for t in steps]  # CPU scalars: no device sync
 
 
-class FusedAdamW(torch.optim.Optimizer):
+class FusedAdamW(EagerOptimizer):
     """torch.optim.AdamW's update (decoupled weight decay, Loshchilov & Hutter 2019) on fp32
     tensors, every tensor of every group in one kernel launch. Its state is torch's (step,
     exp_avg, exp_avg_sq), so checkpoints move between the two; groups may set lr and
