@@ -8,9 +8,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# A model small enough that a few steps on 2 CPU ranks take seconds.
+# A model small enough that a few steps on 2 CPU ranks take seconds. The torch loader: DALI's
+# import costs each rank about 1 CPU-s, more than such a run's steps; DALI is checked against it
+# batch for batch (tests/unit/data/test_loader.py) and trains in test_train_data.py and
+# test_resume.py, which ask for data.loader=auto.
 SMALL = ["model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.seq_len=32",
-         "optim.warmup_steps=2", "run.progress=lines", "train.cpu_threads=1"]
+         "optim.warmup_steps=2", "run.progress=lines", "train.cpu_threads=1", "data.loader=torch"]
 
 
 def mshpc(*args: str, env: dict[str, str] | None = None, timeout_s: float = 300,

@@ -28,11 +28,13 @@ def assert_each_byte_read_once(run_dir, folder, nproc, same_world):
 
 def test_killed_and_resumed_run_is_bitwise_identical(straight, tmp_path, corpus_cache):
     # a synchronous save commits before training goes on, so the kill surely follows a commit
-    # (async saves under a kill are the crash-safety tests' business)
-    run(tmp_path, corpus_cache, "b", "checkpoint.async_save=false", faults="kill:rank=0:step=6", expect=137)
+    # (async saves under a kill are the crash-safety tests' business); DALI here (the reference
+    # run has the torch loader): its resumed pipeline yields the same batches, bit for bit
+    run(tmp_path, corpus_cache, "b", "checkpoint.async_save=false", "data.loader=auto", faults="kill:rank=0:step=6",
+        expect=137)
     assert len(losses(tmp_path, "b")) == 6  # steps 1-6 logged before the kill, 4 checkpointed
-    out = run(tmp_path, corpus_cache, "b")
-    assert "resumed from step 4" in out.stderr
+    out = run(tmp_path, corpus_cache, "b", "data.loader=auto")
+    assert "resumed from step 4" in out.stderr and "data loader: dali" in out.stderr
     event = assert_each_byte_read_once(tmp_path / "b", tmp_path / "b" / "checkpoints" / "step-0000004", 2, True)
     assert sum(event["bytes_received"]) == 4  # each rank reads its own shard; only the fp32 step counter travels
     assert losses(tmp_path, "b") == losses(straight, "straight")  # steps 5-6 retrained, not kept twice

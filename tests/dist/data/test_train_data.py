@@ -23,7 +23,7 @@ def test_per_node_reader_and_doc_masks_in_training(tmp_path: Path, corpus_cache:
     torch_doc, _ = run(tmp_path, corpus_cache, "torch", data, "data.loader=torch", "data.doc_mask=true")
     node_doc, node_log = run(tmp_path, corpus_cache, "node", data, "data.per_node_reader=true",
                              "data.doc_mask=true")
-    auto, auto_log = run(tmp_path, corpus_cache, "auto", data)
+    auto, auto_log = run(tmp_path, corpus_cache, "auto", data, "data.loader=auto")
     assert "data loader: node (data.per_node_reader=true" in node_log
     assert "data loader: dali (data.loader=auto and DALI is installed)" in auto_log
     assert len(torch_doc) == 3 and node_doc == torch_doc  # the same batches, bit for bit

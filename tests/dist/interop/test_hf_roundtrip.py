@@ -17,7 +17,8 @@ from mshpc.interop.hf_export import check_shapes, export_hf, find_checkpoint, re
 from mshpc.interop.hf_import import import_config
 from mshpc.model.gpt import GPT
 
-FAST = ["train.cpu_threads=1", "run.progress=lines", "supervisor.max_restarts=0", "checkpoint.async_save=false"]
+FAST = ["train.cpu_threads=1", "run.progress=lines", "supervisor.max_restarts=0", "checkpoint.async_save=false",
+        "data.loader=torch"]  # as cli_runner.SMALL: DALI's import would cost more than the steps
 
 
 def checkpoint_logits(run_dir, idx):
