@@ -1,8 +1,8 @@
 """`mshpc generate`: sample text from a checkpoint on one process, whatever layout saved it.
 
-The checkpoint's `model/` copy is read through the resharding reader at tp=1 (a tp-split weight
-is joined from its parts, pipeline stages' weights all carry the full model's names), into the
-plain GPT. Decoding keeps each layer's keys and values (`KVCache`) so that every new token costs
+The checkpoint's `model/` copy is read whole at tp=1 by checkpoint/model_copy.py, as `mshpc
+export` reads it (a tp-split weight joined from its parts, pipeline stages' weights all under the
+full model's names), into the plain GPT. Decoding keeps each layer's keys and values (`KVCache`) so that every new token costs
 one position's forward, not the whole sequence's (torchtitan's and nanoGPT's sampling rules:
 temperature, then top-k, then top-p).
 """
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from mshpc.checkpoint.manifest import MANIFEST_FILE, read_manifest
+from mshpc.checkpoint.manifest import MANIFEST_FILE
+from mshpc.checkpoint.model_copy import read_model_copy
 from mshpc.checkpoint.paths import checkpoint_root, committed_steps, latest_step, step_dir
-from mshpc.checkpoint.reader import CheckpointReader
-from mshpc.checkpoint.relayout import Relayout
 from mshpc.config import Config, load_config
 from mshpc.data.tokenizer import Tokenizer, build_tokenizer
 from mshpc.errors import CheckpointError, ConfigError
@@ -71,16 +70,17 @@ def find_checkpoint(path: Path) -> tuple[Path, Config]:
 
 
 def load_model(folder: Path, cfg: Config) -> GPT:
-    """The plain GPT of `cfg` with the weights of checkpoint `folder`, in eval mode."""
+    """The plain GPT of `cfg` with the weights of checkpoint `folder` (its `model/` copy, read
+    whole whatever the saved layout), in eval mode."""
     model = GPT(replace(cfg.model, dropout=0.0)).eval()
-    reader = CheckpointReader(folder, read_manifest(folder))
-    try:
-        read = Relayout.build(reader, 1, 0, {}, frozenset()).reader(reader)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(read(f"model/{name}", 0, p.numel()).view(p.shape))
-    finally:
-        reader.close()
+    weights = read_model_copy(folder)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            w = weights.pop(name, None)  # popped: each whole weight is held twice only while copied
+            if w is None or w.shape != p.shape:
+                got = "nothing" if w is None else list(w.shape)
+                raise CheckpointError(f"{folder}: model/{name} is {got} but the run's config has {list(p.shape)}")
+            p.copy_(w)
     return model
 
 

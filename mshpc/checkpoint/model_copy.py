@@ -4,22 +4,26 @@ a corrupt one would be kept silently. It is derived from the masters (the weight
 masters cast to the weights' dtype, gathered after every step), so a bad one is rebuilt from
 them: recomputed, written over the bad bytes, its checksum put back in the manifest.
 
-`check_model_copy` is the check before export (`mshpc export`, to come); `repair_on_resume`
-is the collective that a resume runs on the checkpoint it took.
+`check_model_copy` is the check before export (`mshpc export`); `read_model_copy` reads the
+copy whole at tp=1 for export and `mshpc generate`; `repair_on_resume` is the collective that a
+resume runs on the checkpoint it took.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from mshpc.checkpoint.h5_shard import rewrite_data, to_numpy, torch_dtype
 from mshpc.checkpoint.manifest import Manifest, TensorEntry, read_manifest, replace_manifest
 from mshpc.checkpoint.reader import CheckpointReader
+from mshpc.checkpoint.relayout import Relayout
 from mshpc.checkpoint.shard_read import entry_nbytes
 from mshpc.checkpoint.state import spread
 from mshpc.errors import CheckpointError
@@ -72,6 +76,24 @@ def check_model_copy(folder: Path) -> None:
     if bad:
         more = f" (and {len(bad) - 1} more model/ tensor(s))" if len(bad) > 1 else ""
         raise CheckpointError(bad[0][1] + more)
+
+
+def read_model_copy(folder: Path) -> dict[str, torch.Tensor]:
+    """Every whole weight of the checkpoint `folder`'s `model/` copy, by parameter name: written
+    at tp > 1, each weight's tp parts are joined by the manifest's rules (relayout.py); at pp > 1
+    every stage's layers are there under their full-model names, the tied embedding's second
+    copy (`lm_head.weight`) included."""
+    reader = CheckpointReader(folder, read_manifest(folder))
+    try:
+        relayout = Relayout.build(reader, new_tp=1, new_rank=0, current={}, tied=frozenset())
+        read = relayout.reader(reader)
+        out = {}
+        for name in sorted({n.removeprefix(MODEL).partition("@tp")[0] for n in reader.names(MODEL)}):
+            shape = relayout.shape(reader, MODEL + name)
+            out[name] = read(MODEL + name, 0, math.prod(shape)).reshape(shape).clone()
+        return out
+    finally:
+        reader.close()
 
 
 def rebuild(reader: CheckpointReader, e: TensorEntry, problem: str) -> Repair:

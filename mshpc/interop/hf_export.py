@@ -1,26 +1,23 @@
 """`mshpc export RUN_OR_CHECKPOINT --hf OUT_DIR`: a checkpoint's whole weights as a Hugging Face
 folder (config.json, safetensors, tokenizer) that `from_pretrained(OUT_DIR)` loads.
 
-The weights come from the checkpoint's `model/` copy, checked first (model_copy.py); written at
-tp > 1 it holds each tp rank's part, which relayout.py joins by the rules in the manifest; at
-pp > 1 every stage's layers are there under their full-model names. Nothing is written to
+The weights come from the checkpoint's `model/` copy, checked first and read whole at tp=1 by
+checkpoint/model_copy.py (as `mshpc generate` reads it): tp parts joined by the rules in the
+manifest, every pp stage's layers under their full-model names. Nothing is written to
 OUT_DIR until everything has been read and converted: the folder appears whole or not at all.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 
 import torch
 
-from mshpc.checkpoint.manifest import MANIFEST_FILE, read_manifest
-from mshpc.checkpoint.model_copy import MODEL, check_model_copy
+from mshpc.checkpoint.manifest import MANIFEST_FILE
+from mshpc.checkpoint.model_copy import MODEL, check_model_copy, read_model_copy
 from mshpc.checkpoint.paths import checkpoint_root, latest_step, step_dir
-from mshpc.checkpoint.reader import CheckpointReader
-from mshpc.checkpoint.relayout import Relayout
 from mshpc.config import Config, ModelConfig, load_config
 from mshpc.errors import InteropError
 from mshpc.interop.hf_arch import hf_architecture, hf_config
@@ -57,21 +54,6 @@ def find_checkpoint(path: Path, run_dir: Path, cfg: Config) -> Path:
         raise InteropError(f"{path}: a run directory with no checkpoint under {root} "
                            "(train with checkpoint.interval_steps > 0)")
     return step_dir(root, step)
-
-
-def read_model_copy(folder: Path) -> Weights:
-    """Every whole weight of the checkpoint's `model/` copy, tp parts joined; by parameter name."""
-    reader = CheckpointReader(folder, read_manifest(folder))
-    try:
-        relayout = Relayout.build(reader, new_tp=1, new_rank=0, current={}, tied=frozenset())
-        read = relayout.reader(reader)
-        out = {}
-        for name in sorted({n.removeprefix(MODEL).partition("@tp")[0] for n in reader.names(MODEL)}):
-            shape = relayout.shape(reader, MODEL + name)
-            out[name] = read(MODEL + name, 0, math.prod(shape)).reshape(shape).clone()
-        return out
-    finally:
-        reader.close()
 
 
 def check_shapes(weights: Weights, m: ModelConfig, folder: Path) -> Weights:

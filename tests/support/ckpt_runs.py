@@ -19,6 +19,10 @@ CKPT = ["checkpoint.interval_steps=4", "checkpoint.keep=3", f"train.steps={STEPS
 # dp=1: a global batch of 16 as the dp=2 runs have
 MQA = ["model.n_head=4", "model.n_kv_head=1"]
 MQA_TP2_PP2 = [*MQA, "parallel.tp=2", "parallel.pp=2", "train.micro_batch=4", "train.grad_accum=4"]
+# grouped-query attention (4 heads, 2 kv heads: split, one to each tp rank) at tp=2, dp=1: the
+# same global batch of 16
+GQA = ["model.n_head=4", "model.n_kv_head=2"]
+GQA_TP2 = [*GQA, "parallel.tp=2", "train.micro_batch=8", "train.grad_accum=2"]
 
 
 def run(tmp_path, cache, name, *overrides, nproc=2, faults=None, expect=0):

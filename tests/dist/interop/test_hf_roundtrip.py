@@ -12,8 +12,9 @@ from support.hf_models import MAX_RELATIVE_DIFF, hf_logits, mshpc_logits, relati
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mshpc.checkpoint.manifest import read_manifest
+from mshpc.checkpoint.model_copy import read_model_copy
 from mshpc.checkpoint.paths import latest_step, step_dir
-from mshpc.interop.hf_export import check_shapes, export_hf, find_checkpoint, read_model_copy, run_config
+from mshpc.interop.hf_export import check_shapes, export_hf, find_checkpoint, run_config
 from mshpc.interop.hf_import import import_config
 from mshpc.model.gpt import GPT
 

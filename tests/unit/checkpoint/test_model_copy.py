@@ -10,10 +10,12 @@ import torch
 from support.ckpt_runs import sharded_checkpoint
 
 from mshpc.checkpoint.manifest import read_manifest
-from mshpc.checkpoint.model_copy import check_model_copy, fix_checksums, repair
+from mshpc.checkpoint.model_copy import check_model_copy, fix_checksums, read_model_copy, repair
 from mshpc.checkpoint.reader import CheckpointReader
+from mshpc.checkpoint.relayout import SPLITS_KEY, splits_extra
 from mshpc.checkpoint.tools import verify
 from mshpc.errors import CheckpointError
+from mshpc.parallel.tp_split import qkv_split
 
 W = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))  # an fp32 master
 B = torch.randn(32, generator=torch.Generator().manual_seed(1))
@@ -83,3 +85,17 @@ def test_without_its_masters_a_bad_copy_is_reported_not_rebuilt(tmp_path):
     assert r.crc32 is None and "has no tensor 'master/w'" in r.error
     with pytest.raises(CheckpointError, match="model/w: checksum mismatch"):
         check_model_copy(tmp_path)
+
+
+def test_read_model_copy_joins_tp_parts_by_the_manifests_rule_and_keeps_dtypes(tmp_path):
+    # a grouped-query qkv (4 q heads, 2 kv heads of 2 rows) saved as tp=2 parts, one per shard,
+    # a replicated bf16 norm once: read whole, by parameter name, as export and generate need it
+    split = qkv_split(4, 2, 2)
+    qkv = torch.randn(16, 3, generator=torch.Generator().manual_seed(2))
+    norm = torch.randn(3).to(torch.bfloat16)
+    whole = {f"model/qkv@tp{r}": (split.part(qkv, r, 2), r) for r in range(2)}
+    sharded_checkpoint(tmp_path, {"master/norm": norm.float()}, n_shards=2, tp=2,
+                       whole={**whole, "model/norm": (norm, 0)}, extras={SPLITS_KEY: splits_extra({"qkv": split})})
+    got = read_model_copy(tmp_path)
+    assert got.keys() == {"qkv", "norm"}
+    assert torch.equal(got["qkv"], qkv) and got["norm"].dtype == torch.bfloat16 and torch.equal(got["norm"], norm)

@@ -121,13 +121,17 @@ def _run_with_checkpoint(tmp_path, m):
     return model, checkpoint_run(tmp_path / "run", Config(model=m), model)
 
 
-def test_export_of_a_run_directory_reads_its_latest_checkpoint(tmp_path):
+@pytest.mark.parametrize("m, arch", [(LLAMA_GQA, "LlamaForCausalLM"), (NEOX_SERIAL, "GPTNeoXForCausalLM")],
+                         ids=["llama-gqa", "neox-serial"])
+def test_export_of_a_run_directory_reads_its_latest_checkpoint(tmp_path, m, arch):
+    # the checkpoint as dp=2 ranks write it (each whole weight in one of the 2 shards); a real
+    # dp=2 run's export is tests/dist/interop/test_hf_roundtrip.py's (Llama, imported and trained)
     from mshpc.interop.hf_export import export_hf
 
-    model, folder = _run_with_checkpoint(tmp_path, LLAMA_GQA)
+    model, folder = _run_with_checkpoint(tmp_path, m)
     lines = export_hf(tmp_path / "run", tmp_path / "hf")
-    assert lines[0].startswith(f"exported {folder} (") and "as LlamaForCausalLM" in lines[0]
-    idx = tokens(LLAMA_GQA)
+    assert lines[0].startswith(f"exported {folder} (") and f"as {arch}" in lines[0]
+    idx = tokens(m)
     assert relative_diff(hf_logits(tmp_path / "hf", idx), mshpc_logits(model, idx)) <= MAX_RELATIVE_DIFF
 
 
