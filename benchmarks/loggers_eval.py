@@ -23,7 +23,12 @@ W&B's service process (wandb-core and its children) and the rest (supervisor, no
 On 2 cores that 2 ranks fill, CPU another process takes is time a rank waits for, and the step
 waits for its slowest rank.
 
+Last, noise-free because it counts CPU seconds, not wall time: each logger set's CPU per row
+in one process (its loop and logger threads, and W&B's service process), and what that adds to a
+step whose work is rank 1's CPU per step in the jsonl runs.
+
     .venv/bin/python benchmarks/loggers_eval.py [--rounds 3] [--steps 60] [--interval 10]
+    .venv/bin/python benchmarks/loggers_eval.py --rows-only 0.354   # the CPU per row alone
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ WARMUP = 5  # steps whose time is start-up, not steady state
 BASE = ["run.progress=none", "checkpoint.interval_steps=0", "train.cpu_threads=1"]
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 POLL_S = 0.5
+SETTLE_S = 3.0
 VARIANTS = {
     "jsonl": ([], False),
     "eval": ([], True),
@@ -167,28 +173,43 @@ def step_gaps(times: dict[int, float], interval: int) -> list[float]:
             if s > WARMUP and s - 1 in times and not evaluates(s) and not evaluates(s - 1)]
 
 
-def row_cost_s(tmp: Path, rows: int = 300) -> tuple[float, float]:
-    """Seconds per full row to metrics.jsonl, TensorBoard and W&B (offline), in process: what the
-    loop's thread waits for (TensorBoard and W&B write on side threads), and all of it (the side
-    threads drained)."""
+def children_cpu_s() -> float:
+    """CPU seconds of this process's child processes (W&B's service) and theirs, from /proc."""
+    ticks = 0
+    for pid in descendants(os.getpid()):
+        stat = _read(f"/proc/{pid}/stat")
+        ticks += _cpu_ticks(stat) if stat else 0
+    return ticks * TICK_S
+
+
+def row_cpu_s(tmp: Path, loggers_set: str, rows: int = 300, idle_s: float = 10.0) -> dict[str, float]:
+    """CPU seconds, not wall time (so the machine's other load does not enter), of one row written
+    through `loggers_set` in this process: this process's threads (the loop's and the loggers'),
+    W&B's service process per row, and that service's CPU per second while no row comes."""
     os.environ.update(offline_env(tmp))
     from mshpc.config import load_config
     from mshpc.loggers.sinks import build_loggers
     from mshpc.run_dir import MetricsLog
 
-    run_dir = tmp / "rows"
+    run_dir = tmp / f"rows-{loggers_set.replace(',', '-')}"
     run_dir.mkdir()
-    loggers = build_loggers(load_config(None, VARIANTS["all"][0]), run_dir,
+    loggers = build_loggers(load_config(None, [f"run.loggers=[{loggers_set}]"]), run_dir,
                             MetricsLog(run_dir / "metrics.jsonl", 0), 0)
     row = {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.7, "tokens_per_s": 3000.0, "step_time_s": 0.7, "mfu": 0.01,
            "tflops": 0.02, "data_wait_s": 1e-5, "ckpt_blocking_s": None, "ckpt_stage1_wait_s": None,
            "max_memory_gib": None}
-    start = time.perf_counter()
+    service = children_cpu_s()
+    time.sleep(idle_s)
+    idle = (children_cpu_s() - service) / idle_s
+    service, start, wall = children_cpu_s(), time.process_time(), time.perf_counter()
     for step in range(1, rows + 1):
         loggers.write({"step": step, **row})
-    loop_s = (time.perf_counter() - start) / rows
+    time.sleep(SETTLE_S)  # the side threads and the service finish the rows (well under a second)
+    threads = (time.process_time() - start) / rows
+    served = children_cpu_s() - service - idle * (time.perf_counter() - wall)
     loggers.close()
-    return loop_s, (time.perf_counter() - start) / rows
+    return {"threads_s_per_row": threads, "service_s_per_row": max(0.0, served / rows),
+            "service_idle_s_per_s": idle}
 
 
 def emit(**fields: object) -> None:
@@ -212,14 +233,33 @@ def measure(tmp: Path, args: argparse.Namespace) -> tuple[dict[str, list[list[fl
     return gaps, cpu
 
 
+def emit_rows(tmp: Path, step_s: float) -> None:
+    """Each logger set's CPU per row, and what it adds to a step of `step_s` seconds of rank
+    CPU: the rows' work beyond metrics.jsonl's, W&B's service per row, and its idle CPU over
+    the step (on 2 cores that 2 ranks fill, at worst all of it lands on a step)."""
+    sets = ["jsonl", "jsonl,tensorboard", "jsonl,wandb", "jsonl,tensorboard,wandb"]
+    cost = {name: row_cpu_s(tmp, name) for name in sets}
+    for name in sets:
+        c, base = cost[name], cost["jsonl"]["threads_s_per_row"]
+        added = c["threads_s_per_row"] - base + c["service_s_per_row"] + c["service_idle_s_per_s"] * step_s
+        emit(metric=f"cpu_s_per_row_{name.replace(',', '_')}", unit="s",
+             value={k: round(v, 6) for k, v in c.items()}, baseline=round(step_s, 4),
+             added_cpu_s_per_step=round(added, 6), ratio=round(1 + added / step_s, 5))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--rows-only", type=float, metavar="STEP_S", default=None,
+                        help="only the CPU per row, against a step of STEP_S seconds (no training runs)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mshpc-loggers-") as name:
         tmp = Path(name)
+        if args.rows_only is not None:
+            emit_rows(tmp, args.rows_only)
+            return
         gaps, cpu = measure(tmp, args)
         base = [statistics.median(g) for g in gaps["jsonl"]]
         for variant in VARIANTS:
@@ -233,11 +273,8 @@ def main() -> None:
                  value={k: round(statistics.median(c.get(k, 0.0) for c in cpu[variant]), 5) for k in parts},
                  spread={k: [round(min(c.get(k, 0.0) for c in cpu[variant]), 5),
                              round(max(c.get(k, 0.0) for c in cpu[variant]), 5)] for k in parts})
-        loop_s, total_s = row_cost_s(tmp)
-        median_base = statistics.median(base)
-        for metric, cost in (("row_wait_on_loop_thread", loop_s), ("row_work_all_threads", total_s)):
-            emit(metric=f"{metric}_vs_median_jsonl_step", value=round(cost, 6), unit="s",
-                 baseline=round(median_base, 4), ratio=round(cost / median_base, 6))
+        # a rank's CPU per step is its step's work (2 ranks, 1 thread each), less load-bound than wall time
+        emit_rows(tmp, statistics.median(c["rank1"] for c in cpu["jsonl"]))
 
 
 if __name__ == "__main__":
