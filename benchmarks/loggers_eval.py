@@ -1,16 +1,34 @@
-"""Claim: TensorBoard, W&B (offline) and a configured validation add under 1% to the time of the
-steps that do not evaluate, against metrics.jsonl alone.
+"""Claim: no logger (TensorBoard, W&B offline) and no configured validation adds more than 1% to
+the time of the steps that do not evaluate, against metrics.jsonl alone; and where the time
+that remains goes, as CPU seconds per step of each process and thread.
 
-Side by side in one run: real `mshpc train` runs of configs/tiny.yaml on 2 ranks, alternating
-"jsonl" (run.loggers [jsonl], eval off) and "all" (run.loggers [jsonl, tensorboard, wandb],
-eval.interval_steps), so that machine noise falls on both alike. A step's time is the gap
-between consecutive steps in rank 0's timings file, so it holds everything the loop does for
-the step, the loggers' writes included; the "all" runs count only steps that neither evaluate
-nor follow an evaluation. Prints the ratio of the median step times (target <= 1.01) and, as a
-noise-free cross-check, the measured cost of one row written to all three loggers over the
-median step: what the loop's thread waits for, and the work of all threads.
+Side by side in one run: real `mshpc train` runs of configs/tiny.yaml on 2 ranks, one per
+variant per round, the order rotated every round so that machine noise falls on all alike:
 
-    .venv/bin/python benchmarks/loggers_eval.py [--rounds 2] [--steps 40] [--interval 10]
+    jsonl        run.loggers [jsonl], eval off (the baseline)
+    eval         [jsonl], eval.interval_steps set (configured; only its not-due steps count)
+    tensorboard  [jsonl, tensorboard]
+    wandb        [jsonl, wandb] (WANDB_MODE=offline)
+    all          [jsonl, tensorboard, wandb] and eval
+    all_nice0    all, with run.logger_nice_increment=0 (the loggers at the loop's priority)
+
+A step's time is the gap between consecutive steps in rank 0's timings file: everything the loop
+does for the step, the loggers' writes included; runs with eval count only steps that neither
+evaluate nor follow an evaluation. Per variant: the median of its per-round ratios (its run's
+median step / that round's jsonl run's median step) and their min and max, the spread.
+
+While a run trains, its process tree is read from /proc twice a second: the CPU seconds per
+steady-state step of rank 0's loop thread, rank 0's other threads (gloo's, the loggers'), rank 1,
+W&B's service process (wandb-core and its children) and the rest (supervisor, node relay).
+On 2 cores that 2 ranks fill, CPU another process takes is time a rank waits for, and the step
+waits for its slowest rank.
+
+Last, noise-free because it counts CPU seconds, not wall time: each logger set's CPU per row
+in one process (its loop and logger threads, and W&B's service process), and what that adds to a
+step whose work is rank 1's CPU per step in the jsonl runs.
+
+    .venv/bin/python benchmarks/loggers_eval.py [--rounds 3] [--steps 60] [--interval 10]
+    .venv/bin/python benchmarks/loggers_eval.py --rows-only 0.354   # the CPU per row alone
 """
 
 from __future__ import annotations
@@ -22,13 +40,26 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 5  # steps whose time is start-up, not steady state
 BASE = ["run.progress=none", "checkpoint.interval_steps=0", "train.cpu_threads=1"]
-ALL = ["run.loggers=[jsonl,tensorboard,wandb]"]
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+POLL_S = 0.5
+SETTLE_S = 3.0
+VARIANTS = {
+    "jsonl": ([], False),
+    "eval": ([], True),
+    "tensorboard": (["run.loggers=[jsonl,tensorboard]"], False),
+    "wandb": (["run.loggers=[jsonl,wandb]"], False),
+    "all": (["run.loggers=[jsonl,tensorboard,wandb]"], True),
+    # the same at the loop's own priority: what run.logger_nice_increment buys
+    "all_nice0": (["run.loggers=[jsonl,tensorboard,wandb]", "run.logger_nice_increment=0"], True),
+}
 
 
 def offline_env(tmp: Path) -> dict[str, str]:
@@ -38,72 +69,212 @@ def offline_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def train(tmp: Path, name: str, overrides: list[str], steps: int) -> Path:
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:  # gone between listing and reading
+        return None
+
+
+def _cpu_ticks(stat: str) -> int:
+    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def descendants(pid: int) -> Iterator[int]:
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        for child in (_read(f"/proc/{pid}/task/{tid}/children") or "").split():
+            yield int(child)
+            yield from descendants(int(child))
+
+
+class TreeCpu:
+    """Samples the CPU ticks of a process tree by part, on a side thread, until stopped."""
+
+    def __init__(self, root: int) -> None:
+        self.root, self.samples = root, []  # (unix s, {part: ticks})
+        self.kinds: dict[int, str] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _kind(self, pid: int, comm: str) -> str:
+        if pid not in self.kinds:
+            env = (_read(f"/proc/{pid}/environ") or "").split("\0")
+            rank = next((e[5:] for e in env if e.startswith("RANK=")), None)
+            service = "wandb" in comm or "gpu_stats" in comm
+            kind = "wandb_service" if service else f"rank{rank}" if rank else "other"
+            if kind == "other":  # perhaps a rank between fork and exec: look again next time
+                return kind
+            self.kinds[pid] = kind
+        return self.kinds[pid]
+
+    def sample(self) -> dict[str, int]:
+        parts: dict[str, int] = {}
+        for pid in descendants(self.root):
+            stat = _read(f"/proc/{pid}/stat")
+            if stat is None:
+                continue
+            kind = self._kind(pid, stat[stat.find("(") + 1:stat.rfind(")")])
+            if self.kinds.get(self._parent(stat)) == "wandb_service":
+                kind = self.kinds[pid] = "wandb_service"
+            if kind == "rank0":  # its loop thread (tid = pid) apart from its other threads
+                main = _read(f"/proc/{pid}/task/{pid}/stat")
+                main_ticks = _cpu_ticks(main) if main else 0
+                parts["rank0_loop_thread"] = parts.get("rank0_loop_thread", 0) + main_ticks
+                parts["rank0_other_threads"] = parts.get("rank0_other_threads", 0) + _cpu_ticks(stat) - main_ticks
+            else:
+                parts[kind] = parts.get(kind, 0) + _cpu_ticks(stat)
+        return parts
+
+    @staticmethod
+    def _parent(stat: str) -> int:
+        return int(stat[stat.rfind(")") + 2:].split()[1])
+
+    def _run(self) -> None:
+        while not self.done.wait(POLL_S):
+            self.samples.append((time.time(), self.sample()))
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def per_step(self, start: float, end: float, steps: int) -> dict[str, float]:
+        """CPU seconds per step between unix times start and end (the samples nearest to each)."""
+        first = min(self.samples, key=lambda s: abs(s[0] - start))[1]
+        last = min(self.samples, key=lambda s: abs(s[0] - end))[1]
+        return {k: (last[k] - first.get(k, 0)) * TICK_S / steps for k in sorted(last)}
+
+
+def train(tmp: Path, name: str, overrides: list[str], steps: int) -> tuple[Path, TreeCpu]:
     sets = [*BASE, f"run.out_dir={tmp}", f"run.name={name}", f"train.steps={steps}", *overrides]
     cmd = [sys.executable, "-m", "mshpc", "train", str(REPO / "configs/tiny.yaml"), "--nproc", "2",
            *[a for s in sets for a in ("--set", s)]]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=offline_env(tmp), cwd=REPO, timeout=1800)
-    if out.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
-    return tmp / name
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=offline_env(tmp), cwd=REPO)
+    cpu = TreeCpu(proc.pid)
+    _, err = proc.communicate(timeout=1800)
+    cpu.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{err[-3000:]}")
+    return tmp / name, cpu
 
 
-def step_gaps(run_dir: Path, interval: int) -> list[float]:
-    """Seconds between consecutive steps on rank 0, leaving out evaluating steps and the next."""
+def step_times(run_dir: Path) -> dict[int, float]:
     lines = (run_dir / "timings" / "rank-00000.jsonl").read_text().splitlines()[1:]
-    times = {r["step"]: r["time"] for r in map(json.loads, lines)}
+    return {r["step"]: r["time"] for r in map(json.loads, lines)}
+
+
+def step_gaps(times: dict[int, float], interval: int) -> list[float]:
+    """Seconds between consecutive steps on rank 0, leaving out evaluating steps and the next."""
     evaluates = (lambda s: interval > 0 and s % interval == 0)
     return [times[s] - times[s - 1] for s in sorted(times)
             if s > WARMUP and s - 1 in times and not evaluates(s) and not evaluates(s - 1)]
 
 
-def row_cost_s(tmp: Path, rows: int = 300) -> tuple[float, float]:
-    """Seconds per full row to metrics.jsonl, TensorBoard and W&B (offline), in process: what the
-    loop's thread waits for (TensorBoard and W&B write on side threads), and all of it (the side
-    threads drained)."""
+def children_cpu_s() -> float:
+    """CPU seconds of this process's child processes (W&B's service) and theirs, from /proc."""
+    ticks = 0
+    for pid in descendants(os.getpid()):
+        stat = _read(f"/proc/{pid}/stat")
+        ticks += _cpu_ticks(stat) if stat else 0
+    return ticks * TICK_S
+
+
+def row_cpu_s(tmp: Path, loggers_set: str, rows: int = 300, idle_s: float = 10.0) -> dict[str, float]:
+    """CPU seconds, not wall time (so the machine's other load does not enter), of one row written
+    through `loggers_set` in this process: this process's threads (the loop's and the loggers'),
+    W&B's service process per row, and that service's CPU per second while no row comes."""
     os.environ.update(offline_env(tmp))
     from mshpc.config import load_config
     from mshpc.loggers.sinks import build_loggers
     from mshpc.run_dir import MetricsLog
 
-    run_dir = tmp / "rows"
+    run_dir = tmp / f"rows-{loggers_set.replace(',', '-')}"
     run_dir.mkdir()
-    loggers = build_loggers(load_config(None, ALL), run_dir, MetricsLog(run_dir / "metrics.jsonl", 0), 0)
+    loggers = build_loggers(load_config(None, [f"run.loggers=[{loggers_set}]"]), run_dir,
+                            MetricsLog(run_dir / "metrics.jsonl", 0), 0)
     row = {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.7, "tokens_per_s": 3000.0, "step_time_s": 0.7, "mfu": 0.01,
            "tflops": 0.02, "data_wait_s": 1e-5, "ckpt_blocking_s": None, "ckpt_stage1_wait_s": None,
            "max_memory_gib": None}
-    start = time.perf_counter()
+    service = children_cpu_s()
+    time.sleep(idle_s)
+    idle = (children_cpu_s() - service) / idle_s
+    service, start, wall = children_cpu_s(), time.process_time(), time.perf_counter()
     for step in range(1, rows + 1):
         loggers.write({"step": step, **row})
-    loop_s = (time.perf_counter() - start) / rows
+    time.sleep(SETTLE_S)  # the side threads and the service finish the rows (well under a second)
+    threads = (time.process_time() - start) / rows
+    served = children_cpu_s() - service - idle * (time.perf_counter() - wall)
     loggers.close()
-    return loop_s, (time.perf_counter() - start) / rows
+    return {"threads_s_per_row": threads, "service_s_per_row": max(0.0, served / rows),
+            "service_idle_s_per_s": idle}
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps({"bench": "loggers_eval", **fields}), flush=True)
+
+
+def measure(tmp: Path, args: argparse.Namespace) -> tuple[dict[str, list[list[float]]], dict[str, list[dict[str, float]]]]:
+    """Per variant: each round's step gaps, and each round's CPU seconds per step by part."""
+    names = list(VARIANTS)
+    gaps: dict[str, list[list[float]]] = {n: [] for n in names}
+    cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotated every round
+            overrides, evaluates = VARIANTS[name]
+            interval = args.interval if evaluates else 0
+            run_dir, tree = train(tmp, f"{name}-{r}", [*overrides, f"eval.interval_steps={interval}"], args.steps)
+            times = step_times(run_dir)
+            gaps[name].append(step_gaps(times, interval))
+            window = [s for s in times if s >= WARMUP]
+            cpu[name].append(tree.per_step(times[min(window)], times[max(window)], max(window) - min(window)))
+    return gaps, cpu
+
+
+def emit_rows(tmp: Path, step_s: float) -> None:
+    """Each logger set's CPU per row, and what it adds to a step of `step_s` seconds of rank
+    CPU: the rows' work beyond metrics.jsonl's, W&B's service per row, and its idle CPU over
+    the step (on 2 cores that 2 ranks fill, at worst all of it lands on a step)."""
+    sets = ["jsonl", "jsonl,tensorboard", "jsonl,wandb", "jsonl,tensorboard,wandb"]
+    cost = {name: row_cpu_s(tmp, name) for name in sets}
+    for name in sets:
+        c, base = cost[name], cost["jsonl"]["threads_s_per_row"]
+        added = c["threads_s_per_row"] - base + c["service_s_per_row"] + c["service_idle_s_per_s"] * step_s
+        emit(metric=f"cpu_s_per_row_{name.replace(',', '_')}", unit="s",
+             value={k: round(v, 6) for k, v in c.items()}, baseline=round(step_s, 4),
+             added_cpu_s_per_step=round(added, 6), ratio=round(1 + added / step_s, 5))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--rows-only", type=float, metavar="STEP_S", default=None,
+                        help="only the CPU per row, against a step of STEP_S seconds (no training runs)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mshpc-loggers-") as name:
         tmp = Path(name)
-        gaps: dict[str, list[float]] = {"jsonl": [], "all": []}
-        for r in range(args.rounds):
-            order = ["jsonl", "all"] if r % 2 == 0 else ["all", "jsonl"]
-            for kind in order:
-                extra = [*ALL, f"eval.interval_steps={args.interval}"] if kind == "all" else []
-                run_dir = train(tmp, f"{kind}-{r}", extra, args.steps)
-                gaps[kind] += step_gaps(run_dir, args.interval if kind == "all" else 0)
-        base, ours = statistics.median(gaps["jsonl"]), statistics.median(gaps["all"])
-        print(json.dumps({"bench": "loggers_eval", "metric": "step_time_tensorboard_wandb_eval_vs_jsonl_only",
-                          "value": round(ours, 4), "unit": "s", "baseline": round(base, 4),
-                          "ratio": round(ours / base, 4), "steps": [len(gaps["all"]), len(gaps["jsonl"])]}))
-        loop_s, total_s = row_cost_s(tmp)
-        for metric, cost in (("row_wait_on_loop_thread", loop_s), ("row_work_all_threads", total_s)):
-            print(json.dumps({"bench": "loggers_eval", "metric": f"{metric}_vs_median_jsonl_step",
-                              "value": round(cost, 6), "unit": "s", "baseline": round(base, 4),
-                              "ratio": round(cost / base, 6)}))
+        if args.rows_only is not None:
+            emit_rows(tmp, args.rows_only)
+            return
+        gaps, cpu = measure(tmp, args)
+        base = [statistics.median(g) for g in gaps["jsonl"]]
+        for variant in VARIANTS:
+            ratios = [statistics.median(g) / b for g, b in zip(gaps[variant], base, strict=True)]
+            emit(metric=f"step_time_{variant}_vs_jsonl_only", value=round(statistics.median(sum(gaps[variant], [])), 4),
+                 unit="s", baseline=round(statistics.median(sum(gaps["jsonl"], [])), 4),
+                 ratio=round(statistics.median(ratios), 4), ratio_min=round(min(ratios), 4),
+                 ratio_max=round(max(ratios), 4), rounds=args.rounds, steps=sum(map(len, gaps[variant])))
+            parts = sorted({k for c in cpu[variant] for k in c})
+            emit(metric=f"cpu_s_per_step_{variant}", unit="s",
+                 value={k: round(statistics.median(c.get(k, 0.0) for c in cpu[variant]), 5) for k in parts},
+                 spread={k: [round(min(c.get(k, 0.0) for c in cpu[variant]), 5),
+                             round(max(c.get(k, 0.0) for c in cpu[variant]), 5)] for k in parts})
+        # a rank's CPU per step is its step's work (2 ranks, 1 thread each), less load-bound than wall time
+        emit_rows(tmp, statistics.median(c["rank1"] for c in cpu["jsonl"]))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,14 @@ restart events the supervisor wrote between attempts, and nothing twice.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import queue
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -74,19 +78,43 @@ class EventTail:
         return records
 
 
-class BackgroundLogger:
-    """Runs a logger's writes on a side thread, in order: a TensorBoard row (protobufs) or a W&B
-    row (a message to its service process) costs milliseconds, which the step must not wait for.
-    An error on the thread is raised by the next call on the loop's thread."""
+def lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by `increment` (Linux nice values are per thread and
+    inherited by the threads and processes it starts); elsewhere nothing."""
+    if increment == 0 or sys.platform != "linux":
+        return  # there, PRIO_PROCESS with a thread id would renice the whole process or fail
+    tid = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
 
-    def __init__(self, logger: Logger, name: str) -> None:
-        self.logger, self.name = logger, name
+
+class BackgroundLogger:
+    """Builds a logger on a side thread and runs its writes there, in order: a TensorBoard row
+    (protobufs) or a W&B row (a message to its service process) costs milliseconds, which the step
+    must not wait for. The thread runs `nice_increment` lower (what the logger starts inherits
+    it): a row can wait, a step cannot. An error while building is raised here; one while
+    writing, by the next call on the loop's thread."""
+
+    def __init__(self, build: Callable[[], Logger], name: str, nice_increment: int = 0) -> None:
+        self.name = name
         self._queue: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"mshpc-{name}", daemon=True)
+        self._built = threading.Event()  # set once built, or failed to
+        self._thread = threading.Thread(target=self._run, args=(build, nice_increment), name=f"mshpc-{name}", daemon=True)
         self._thread.start()
+        self._built.wait()
+        if self._error is not None:
+            self._thread.join()
+            self._raise()
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], Logger], nice_increment: int) -> None:
+        try:
+            lower_thread_priority(nice_increment)
+            self.logger = build()  # here, so that what it starts inherits the lowered priority
+        except BaseException as exc:  # raised by the constructor, on the loop's thread
+            self._error = exc
+            return
+        finally:
+            self._built.set()
         while (item := self._queue.get()) is not None:
             if self._error is None:
                 try:
@@ -149,17 +177,18 @@ def build_loggers(cfg: Config, run_dir: Path, jsonl: MetricsLog, start_step: int
     """Start the loggers `run.loggers` names beside `jsonl`; one that cannot start (its package
     missing, its folder unwritable) raises a one-line MshpcError with the fix."""
     others: list[Logger] = []
+    nice = cfg.run.logger_nice_increment
     try:  # nothing half-started is left open: the loggers started so far, and metrics.jsonl
 
         for name in cfg.run.loggers:
             if name == "tensorboard":
                 from mshpc.loggers.tensorboard_log import TensorBoardLogger
 
-                others.append(BackgroundLogger(TensorBoardLogger(run_dir / "tb"), name))
+                others.append(BackgroundLogger(functools.partial(TensorBoardLogger, run_dir / "tb"), name, nice))
             elif name == "wandb":
                 from mshpc.loggers.wandb_log import WandbLogger
 
-                others.append(BackgroundLogger(WandbLogger(cfg, run_dir, start_step), name))
+                others.append(BackgroundLogger(functools.partial(WandbLogger, cfg, run_dir, start_step), name, nice))
     except BaseException:
         for logger in others:
             logger.close()

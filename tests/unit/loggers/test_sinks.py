@@ -3,8 +3,10 @@ and a logger that cannot start is one line at start-up."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +104,7 @@ def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
 
 def test_background_logger_keeps_order_and_raises_its_errors_on_the_loop() -> None:
     rec = Recorder()
-    bg = BackgroundLogger(rec, "rec")
+    bg = BackgroundLogger(lambda: rec, "rec")
     rows = [{"step": s, "loss": 1.0 / s} for s in range(1, 201)]
     for row in rows:
         bg.write(row)
@@ -114,7 +116,34 @@ def test_background_logger_keeps_order_and_raises_its_errors_on_the_loop() -> No
         def write(self, row: dict[str, Any]) -> None:
             raise OSError(28, "No space left on device")
 
-    failing = BackgroundLogger(Failing(), "failing")
+    failing = BackgroundLogger(Failing, "failing")
     failing.write({"step": 1})
     with pytest.raises(OSError, match="No space left"):
         failing.close()
+
+
+def test_a_logger_that_cannot_start_raises_on_the_loops_thread() -> None:
+    def build() -> Recorder:
+        raise RunEnvironmentError("cannot write /x")
+
+    with pytest.raises(RunEnvironmentError, match="cannot write /x"):
+        BackgroundLogger(build, "broken")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_loggers_and_the_processes_they_start_run_at_lowered_priority() -> None:
+    """What W&B's service process is: a process the logger starts while it is built."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict[str, int] = {}
+
+    def build() -> Recorder:
+        seen["thread"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        child = subprocess.run([sys.executable, "-c", "import os; print(os.nice(0))"],
+                               capture_output=True, text=True, check=True)
+        seen["child"] = int(child.stdout)
+        return Recorder()
+
+    BackgroundLogger(build, "niced", nice_increment=10).close()
+    lowered = min(19, base + 10)
+    assert seen == {"thread": lowered, "child": lowered}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the loop's thread keeps its own
