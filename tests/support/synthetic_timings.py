@@ -59,7 +59,7 @@ def watch_lines(run_dir, records):
     from mshpc.diagnose.watch_stream import RECORD, StreamWriter, stream_file
 
     out = []
-    for info, recs in zip(ranks(), records):
+    for info, recs in zip(ranks(), records, strict=True):
         path = rank_file(run_dir, info.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(header(info, "cpu", 0)) + "\n")

@@ -1,8 +1,6 @@
 """The straggler detector on synthetic timings, fed through the same file format and arrays the
 real runs use."""
 
-import json
-
 import numpy as np
 import pytest
 
