@@ -202,7 +202,7 @@ class DiagnoseConfig:
     # phase times under this fraction of the median step count as this fraction (jitter in an
     # almost empty phase is not slowness)
     straggler_floor: float = _min(0.0, 0.05)
-    straggler_check_interval_steps: int = _min(0, 10)  # rank 0 reads all timings this often; 0: never
+    straggler_check_interval_steps: int = _min(0, 10)  # rank 0 reads every rank's watch/ stream this often; 0: never (and no stream written)
     mfu_window_steps: int = _min(1, 20)  # rolling median of achieved TFLOP/s ...
     mfu_decline: float = 0.1  # ... an event when it falls this fraction below the run's best
 

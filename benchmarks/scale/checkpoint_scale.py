@@ -1,5 +1,6 @@
 """The checkpoint's control plane at N = 8 ... 12,288 ranks (issue #20, part 3): manifest size,
-rank 0's commit time, a manifest's parse time on restore, and the restore planner's time after
+the bytes the save's exchange of entries moves (to every rank before, to rank 0 now), rank 0's
+commit time, a manifest's parse time on restore, and the restore planner's time after
 a dp change (1,536 -> 1,024 nodes at 12,288 ranks; dp x 2/3 at every N).
 
 The 175B model (configs/gpt-175b.yaml) at tp=8, pp=8 (pp=1 at 8 ranks): each stage's parameter
@@ -17,6 +18,7 @@ its new pieces (what ZeroEngine.load_state_slices reads).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -131,6 +133,19 @@ def new_group_needs(cfg: Config, new_dp: int) -> list[list[tuple[str, int, int]]
     return needs
 
 
+def exchange_bytes(manifest: Manifest, n: int) -> dict[str, int]:
+    """Bytes the save's entries exchange moves, from each rank's report as the saver sends it
+    (`{"error": null, "entries": [...]}`, padded to the longest as gloo needs): all_gather_json
+    (before) delivers every report to every rank, gather_json (now) to rank 0 only."""
+    per_rank: dict[str, int] = {}
+    for e in manifest.tensors:
+        per_rank[e.file] = per_rank.get(e.file, 33) + len(json.dumps(dataclasses.asdict(e))) + 2
+    longest = max(per_rank.values())
+    return {"report_bytes_longest": longest, "all_gather_bytes_total": n * n * longest,
+            "all_gather_bytes_per_rank": n * longest, "gather_bytes_total": n * (8 + longest),
+            "gather_bytes_other_ranks_receive": 0}
+
+
 def slope(ns: list[int], values: list[float]) -> float:
     return round(float(np.polyfit(np.log(ns), np.log(values), 1)[0]), 3)
 
@@ -169,7 +184,7 @@ def main() -> None:
         emit(N=n, dp=shape.dp, new_dp=new_dp, entries=len(manifest.tensors), manifest_bytes=size,
              commit_s=round(commit, 3), parse_s=round(parse, 3), plan_s=round(plan_s, 4),
              plan_group_ranks=new_dp, plan_assignments=len(plan),
-             plan_requests=sum(map(len, needs)))
+             plan_requests=sum(map(len, needs)), **exchange_bytes(manifest, n))
     if len(ns) > 1:
         emit(metric="growth_exponent", unit="log-log slope", N=ns, **{k: slope(ns, v) for k, v in rows.items()})
 

@@ -1,8 +1,8 @@
 """Straggler detection and `mshpc diagnose` at N = 8 ... 12,288 ranks (issue #20, part 3).
 
 Per N (nodes of 8, the 175B layout of synthetic_run.py, one rank 30% slower from step 100):
-- rank 0's cost per straggler check: the real `StragglerWatch.poll` after every rank's file
-  grew by `interval` steps (the default check interval), median of `checks` checks; as a
+- rank 0's cost per straggler check: the real `StragglerWatch.poll` after every rank's
+  timings file and watch stream grew by `interval` steps (the default check interval), median of `checks` checks; as a
   share of a 5 s step, per check and per step (the check runs every `interval` steps, on rank
   0's timings thread, not the train loop's);
 - `mshpc diagnose RUN_DIR` on N ranks x `steps` steps, in a child process: wall time and peak
@@ -34,7 +34,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.scale.synthetic_run import NODE_SIZE, rank_lines, shape_for, write_run  # noqa: E402
 from mshpc.config import DiagnoseConfig  # noqa: E402
 from mshpc.diagnose.stragglers import StragglerWatch  # noqa: E402
+from mshpc.diagnose.timers import category  # noqa: E402
 from mshpc.diagnose.timings import RankInfo, header, rank_file  # noqa: E402
+from mshpc.diagnose.watch_stream import RECORD, StreamWriter, stream_file  # noqa: E402
 
 STEP_S = 5.0  # the paper's step at 12,288 GPUs is of this order; the target is 1% of it
 
@@ -56,24 +58,41 @@ def check_cost(work: Path, n: int, interval: int, checks: int) -> float:
     rng = np.random.default_rng(1)
     steps = interval * (checks + 1)
     common = rng.lognormal(0, 0.03, steps)
-    lines = []
+    lines, records = [], []
     for rank in range(n):
         info = RankInfo(rank, f"node{rank // NODE_SIZE:04d}", shape.coords(rank))
-        rank_file(work, rank).parent.mkdir(parents=True, exist_ok=True)
-        rank_file(work, rank).write_text(json.dumps(header(info, "cuda", 0)) + "\n")
+        path = rank_file(work, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(header(info, "cuda", 0)) + "\n")
+        StreamWriter(stream_file(work, rank), header(info, "cuda", 0)).close()
         lines.append(rank_lines(rank, steps, common, rng, rank == n // 2, 1, 1.3, 0.03))
+        records.append(watch_records(lines[-1], path.stat().st_size))
     watch = StragglerWatch(work, n, DiagnoseConfig(straggler_check_interval_steps=interval), start_step=0)
     costs = []
     for c in range(checks + 1):
         for rank in range(n):
             with rank_file(work, rank).open("a") as f:
                 f.writelines(lines[rank][c * interval:(c + 1) * interval])
+            with stream_file(work, rank).open("ab") as fb:
+                fb.write(records[rank][c * interval:(c + 1) * interval].tobytes())
         start = time.process_time()
         watch.poll()
         if c:  # the first check also builds the detector
             costs.append(time.process_time() - start)
+    watch.close()
     shutil.rmtree(work, ignore_errors=True)
     return statistics.median(costs)
+
+
+def watch_records(lines: list[str], offset: int) -> np.ndarray:
+    """The watch stream's records of one rank's step lines (what its timings thread writes)."""
+    out = np.zeros(len(lines), RECORD)
+    for i, line in enumerate(lines):
+        r = json.loads(line)
+        blamed = [sum(v for p, v in r["phases"].items() if category(p) == c) for c in ("compute", "data wait")]
+        out[i] = (r["step"], r["step_s"], *blamed, offset)
+        offset += len(line)
+    return out
 
 
 def diagnose_cost(run_dir: Path) -> tuple[float, float, float]:

@@ -13,6 +13,7 @@ from mshpc.diagnose.mfu import MfuDeclineDetector, achieved_tflops
 from mshpc.diagnose.stragglers import StragglerWatch
 from mshpc.diagnose.timers import TIMERS
 from mshpc.diagnose.timings import RankInfo, TimingsWriter, header, rank_file
+from mshpc.diagnose.watch_stream import StreamWriter, stream_file
 from mshpc.events import append_event
 from mshpc.mesh_shape import MeshShape
 
@@ -56,6 +57,8 @@ class Collector:
             self.writer = None
         if self.straggler_watch is not None:
             self.straggler_watch.poll()
+            self.straggler_watch.close()
+            self.straggler_watch = None
 
 
 def build_collector(cfg: Config, run_dir: Path, rank: int, host: str, device: torch.device,
@@ -71,7 +74,9 @@ def build_collector(cfg: Config, run_dir: Path, rank: int, host: str, device: to
     writer = None
     if d.timers:
         head = header(RankInfo(rank, host, coords), TIMERS.clock_name, start_step)
+        # the watch stream is written only for a watch to read it
+        stream = StreamWriter(stream_file(run_dir, rank), head) if d.straggler_check_interval_steps else None
         writer = TimingsWriter(rank_file(run_dir, rank), head, d.flush_interval_s,
-                               straggler_watch.after_write if straggler_watch else lambda step: None)
+                               straggler_watch.after_write if straggler_watch else lambda step: None, stream)
     mfu_watch = MfuDeclineDetector(d.mfu_window_steps, d.mfu_decline) if rank == 0 else None
     return Collector(cfg, run_dir, writer, mfu_watch, straggler_watch, peak_tflops)

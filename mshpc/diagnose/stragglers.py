@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,13 +40,13 @@ from mshpc.diagnose.timings import (
     read_timings,
     step_table,
 )
+from mshpc.diagnose.watch_stream import RECORD, StreamReader
 from mshpc.events import append_event
 
 log = logging.getLogger(__name__)
 
-BLAMED = ("compute", "data wait")
-READ_BYTES = 1 << 20
-RANK_CHUNK = 512  # ranks per slice of a rolling median over a whole run  # the categories that are a rank's own work
+BLAMED = ("compute", "data wait")  # the categories that are a rank's own work
+RANK_CHUNK = 512  # ranks per slice of a rolling median over a whole run
 
 
 def median_of_others(seconds: np.ndarray) -> np.ndarray:
@@ -115,19 +116,27 @@ class StragglerDetector:
     def update(self, step: int, step_s: np.ndarray, phases: dict[str, np.ndarray]) -> list[Straggler]:
         """One step: (ranks,) step seconds and {phase: (ranks,) seconds}; returns the ranks newly
         flagged at this step."""
+        seconds = {cat: sum((v for p, v in phases.items() if category(p) == cat), np.zeros(len(self.ranks)))
+                   for cat in BLAMED}
+        return self.update_seconds(step, step_s, seconds, lambda: phases)
+
+    def update_seconds(self, step: int, step_s: np.ndarray, seconds: dict[str, np.ndarray],
+                       phases: Callable[[], dict[str, np.ndarray]]) -> list[Straggler]:
+        """As `update`, given each blamed category's (ranks,) seconds; `phases()` is asked only
+        when a rank is newly flagged, to name its phase (the live watch reads them then)."""
         self.last_step = step
+        phases = functools.cache(phases)  # read once however many ranks this step flags
         floor = self._floor = self.cfg.straggler_floor * float(np.nanmedian(step_s))
         flagged_now: dict[int, Straggler] = {}
         for cat in BLAMED:
-            seconds = sum((v for p, v in phases.items() if category(p) == cat), np.zeros(len(self.ranks)))
-            self._relative[cat].append(relative_scores(seconds, floor))
-            self._seconds[cat].append(seconds)
+            self._relative[cat].append(relative_scores(seconds[cat], floor))
+            self._seconds[cat].append(seconds[cat])
             if len(self._relative[cat]) < self.cfg.straggler_window_steps:
                 continue
             rolling = np.median(np.stack(self._relative[cat]), axis=0)  # (ranks,)
             for r in map(int, np.flatnonzero(rolling < self.cfg.straggler_threshold)):
                 if r not in self.flagged and r not in flagged_now:
-                    flagged_now[r] = self._flag(r, step, cat, float(rolling[r]), phases, floor)
+                    flagged_now[r] = self._flag(r, step, cat, float(rolling[r]), phases(), floor)
             # Recovered only halfway back to 1 (hysteresis), so that a rank that hovers at the
             # threshold is one event, not one per crossing; a new slowdown is a new event.
             recovered = 1 - (1 - self.cfg.straggler_threshold) / 2
@@ -143,8 +152,8 @@ class StragglerDetector:
         info = self.ranks[r]
         return Straggler(rank=info.rank, host=info.host, dp=info.coords.dp, tp=info.coords.tp,
                          pp=info.coords.pp, since_step=step, step=step, category=cat,
-                         phase=max(excess, key=excess.__getitem__), relative_score=round(score, 4),
-                         individual_score=self._individual(r, cat, floor))
+                         phase=max(excess, key=excess.__getitem__) if excess else cat,
+                         relative_score=round(score, 4), individual_score=self._individual(r, cat, floor))
 
     def _individual(self, r: int, cat: str, floor: float) -> float | None:
         scores = individual_scores(np.stack(self._seconds[cat]), self.cfg.straggler_window_steps, floor)
@@ -187,21 +196,16 @@ def eviction_candidates(run_dir: Path, cfg: DiagnoseConfig | None = None) -> lis
 
 class StragglerWatch:
     """Rank 0's live detector, on its timings thread: every `straggler_check_interval_steps` it
-    reads what each rank's file gained since the last look (never a byte twice) and feeds the
-    steps every rank has written; each newly flagged rank becomes a `straggler` event.
-
-    At 12,288 ranks a check touches 12,288 files, so the per-rank work is one pread and a split
-    into lines; the lines of all ranks are then parsed as one table (`timings.step_table`) and
-    scattered into (rank, step) arrays in a few numpy calls."""
+    reads what each rank's watch stream (watch_stream.py) gained since the last look, never a
+    byte twice, and feeds the steps every rank has written; each newly flagged rank becomes a
+    `straggler` event. Only then are phases read, one JSON line per rank, to name its phase."""
 
     def __init__(self, run_dir: Path, world_size: int, cfg: DiagnoseConfig, start_step: int) -> None:
         self.run_dir, self.world_size, self.cfg = run_dir, world_size, cfg
-        self._paths = [str(rank_file(run_dir, r)) for r in range(world_size)]  # built once, not per check
-        self._offsets = [0] * world_size
-        self._partial = [b""] * world_size
-        self._infos: dict[int, RankInfo] = {}
-        self._pending: list[list[bytes]] = [[] for _ in range(world_size)]  # whole lines not fed yet
-        self._last_step = [-1] * world_size  # the latest step each rank wrote
+        self._stream = StreamReader(run_dir, world_size)
+        self._pending = np.zeros(0, RECORD)  # records of steps not every rank has written yet
+        self._pending_rows = np.zeros(0, np.int64)
+        self._last_step = np.full(world_size, -1, np.int64)  # the latest step each rank wrote
         self._detector: StragglerDetector | None = None
         self._next_step = start_step + 1  # earlier steps were judged by the process that trained them
 
@@ -212,14 +216,17 @@ class StragglerWatch:
 
     def poll(self) -> list[Straggler]:
         """Read, detect, append events; returns the ranks newly flagged."""
-        for rank in range(self.world_size):
-            self._read_new(rank)
-        if len(self._infos) < self.world_size:
+        records, rows = self._stream.read_new()
+        np.maximum.at(self._last_step, rows, records["step"])
+        self._pending = np.concatenate([self._pending, records])
+        self._pending_rows = np.concatenate([self._pending_rows, rows])
+        heads = self._stream.heads
+        if any(h is None for h in heads):
             return []
         if self._detector is None:
-            self._detector = StragglerDetector(self.cfg, [self._infos[r] for r in range(self.world_size)])
+            self._detector = StragglerDetector(self.cfg, [rank_info(h) for h in heads if h is not None])
         # Every rank writes its steps in order: the steps all have written end at the least latest.
-        frontier = min(self._last_step)
+        frontier = int(self._last_step.min())
         flagged = self._feed(frontier) if frontier >= self._next_step else []
         for s in flagged:
             log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
@@ -229,69 +236,47 @@ class StragglerWatch:
 
     def _feed(self, frontier: int) -> list[Straggler]:
         """Give the detector the steps from the next one to `frontier`, which every rank has;
-        lines of later steps wait for the next check."""
+        records of later steps wait for the next check."""
         assert self._detector is not None
-        lines, self._pending = self._pending, [[] for _ in range(self.world_size)]
-        rows, index, column = line_table(lines)
-        flat = [line for x in lines for line in x]
-        for row, i in zip(rows[column["step"] > frontier].tolist(), index[column["step"] > frontier].tolist(),
-                          strict=True):
-            self._pending[row].append(flat[i])
-        steps, step_s, phases = step_arrays(rows, column, self._next_step, frontier, self.world_size)
+        records, rows = self._pending, self._pending_rows
+        later = records["step"] > frontier
+        self._pending, self._pending_rows = records[later], rows[later]
+        cols = records["step"] - self._next_step
+        keep = (cols >= 0) & ~later
+        grids = {}
+        for field in ("step_s", "compute", "data_wait", "line_offset"):
+            grids[field] = np.full((self.world_size, frontier + 1 - self._next_step), np.nan)
+            grids[field][rows[keep], cols[keep]] = records[field][keep]
         flagged = []
-        for col, step in enumerate(steps):
-            if not np.isnan(step_s[:, col]).any():
-                flagged += self._detector.update(int(step), step_s[:, col], {p: v[:, col] for p, v in phases.items()})
+        for col in range(frontier + 1 - self._next_step):
+            if np.isnan(grids["step_s"][:, col]).any():
+                continue
+            offsets = grids["line_offset"][:, col]
+            seconds = {"compute": grids["compute"][:, col], "data wait": grids["data_wait"][:, col]}
+            step = self._next_step + col
+            flagged += self._detector.update_seconds(step, grids["step_s"][:, col], seconds,
+                                                     functools.partial(self._phases, step, offsets))
         self._next_step = frontier + 1
         return flagged
 
-    def _read_new(self, rank: int) -> None:
-        try:
-            fd = os.open(self._paths[rank], os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        try:
-            chunk = _read_from(fd, self._offsets[rank])
-        finally:
-            os.close(fd)
-        self._offsets[rank] += len(chunk)
-        lines = (self._partial[rank] + chunk).split(b"\n")
-        self._partial[rank] = lines.pop()  # the part after the last newline: not written whole yet
-        if b'{"rank"' in chunk:  # a (re)start of this rank: what it wrote before belongs to an earlier process
-            start = max(i for i, line in enumerate(lines) if line.startswith(b'{"rank"'))
-            headers, _ = parse_records([lines[start].decode()])
-            if headers:
-                self._infos[rank] = rank_info(headers[0])
-            self._pending[rank], self._last_step[rank] = [], -1
-            lines = lines[start + 1:]
-        for line in reversed(lines):  # only the last step is needed now; the table has the others
-            step = line_step(line)
-            if step is not None:
-                self._last_step[rank] = step
-                break
-        self._pending[rank] += lines
+    def _phases(self, step: int, offsets: np.ndarray) -> dict[str, np.ndarray]:
+        """{phase: (ranks,) seconds} of one step, from each rank's JSON line at its offset."""
+        lines = [[_line_at(rank_file(self.run_dir, r), int(o))] for r, o in enumerate(offsets)]
+        rows, _, column = line_table(lines)
+        return {p: v[:, 0] for p, v in step_arrays(rows, column, step, step, self.world_size)[2].items()}
+
+    def close(self) -> None:
+        self._stream.close()
 
 
-def _read_from(fd: int, offset: int) -> bytes:
-    """Everything of the file from `offset` on (pread: no seek, no buffered reader to build)."""
-    parts = []
-    while part := os.pread(fd, READ_BYTES, offset):
-        parts.append(part)
-        offset += len(part)
-        if len(part) < READ_BYTES:
-            break
-    return b"".join(parts)
-
-
-def line_step(line: bytes) -> int | None:
-    """The step of a record line without parsing all of it (the writer puts "step" first); None
-    for a torn line."""
-    if line.startswith(b'{"step": '):
-        head = line[9:line.find(b",")]
-        if head.isdigit():
-            return int(head)
-    record = parse_records([line.decode(errors="replace")])[1]
-    return int(record[0]["step"]) if record and "step" in record[0] else None
+def _line_at(path: Path, offset: int) -> bytes:
+    """The line of `path` that starts at byte `offset` (b"" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.readline().rstrip(b"\n")
+    except OSError:
+        return b""
 
 
 def line_table(lines: list[list[bytes]]) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from mshpc.diagnose.timers import CATEGORIES, StepSpans, category
+from mshpc.diagnose.watch_stream import StreamWriter
 from mshpc.errors import RunEnvironmentError, writing_to
 from mshpc.events import open_for_append
 from mshpc.mesh_shape import Coords
@@ -66,13 +67,15 @@ class TimingsWriter:
     disk) stops the thread and is raised on the train loop's thread, at its next put or close."""
 
     def __init__(self, path: Path, head: dict[str, Any], flush_interval_s: float,
-                 after_write: Callable[[int], None] = lambda step: None) -> None:
-        self.path = path
+                 after_write: Callable[[int], None] = lambda step: None,
+                 stream: StreamWriter | None = None) -> None:
+        self.path, self._stream = path, stream  # stream: this rank's watch record of each step
         with writing_to(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file: TextIO = os.fdopen(open_for_append(path), "a")  # a restart after a torn line
             self._file.write(json.dumps(head) + "\n")
             self._file.flush()
+            self._offset = os.fstat(self._file.fileno()).st_size  # where the next line starts
         self._flush_interval_s, self._after_write = flush_interval_s, after_write
         self._error: OSError | RunEnvironmentError | None = None  # set once, by the thread, as it stops
         self._raised = False
@@ -96,6 +99,8 @@ class TimingsWriter:
             return
         with writing_to(self.path):
             self._file.close()
+            if self._stream is not None:
+                self._stream.close()
 
     def _raise_error(self) -> None:
         """Raise the thread's error once: a close during that error's unwinding must not hide it."""
@@ -126,13 +131,20 @@ class TimingsWriter:
                 self._write(waiting.pop(0))  # in step order: a later step never waits on nothing
             if closing or time.monotonic() - last_flush >= self._flush_interval_s:
                 self._file.flush()
+                if self._stream is not None:  # after the lines its records point into
+                    self._stream.flush()
                 last_flush = time.monotonic()
 
     def _write(self, spans: StepSpans) -> None:
         step_s, phases = spans.resolve()
         record = {"step": spans.step, "time": time.time(), "step_s": round(step_s, 7),
                   "spans": len(spans.spans), "phases": {k: round(v, 7) for k, v in phases.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"  # ASCII (json's default): its length is its bytes
+        self._file.write(line)
+        if self._stream is not None:
+            compute, data_wait = (sum(v for p, v in phases.items() if category(p) == c) for c in ("compute", "data wait"))
+            self._stream.add(spans.step, step_s, compute, data_wait, self._offset)
+        self._offset += len(line)
         try:
             self._after_write(spans.step)
         except Exception:  # noqa: BLE001  diagnosis must never stop training; say why, once per step

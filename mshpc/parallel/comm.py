@@ -325,6 +325,26 @@ def all_gather_json(value: Any, group: dist.ProcessGroup | None = None) -> list[
     return [json.loads(g[: int(n.item())].numpy().tobytes()) for g, n in zip(gathered, sizes, strict=True)]
 
 
+def gather_json(value: Any, dst: int, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Collective over `group`: on global rank `dst`, every rank's JSON-able `value` in rank
+    order; None on the others. Only `dst` receives, so the bytes grow as N, not as the N x N of
+    `all_gather_json` (a checkpoint's manifest entries at 12,288 ranks). A gloo group."""
+    payload = json.dumps(value).encode()
+    longest = torch.tensor([len(payload)], dtype=torch.int64)
+    all_reduce(longest, group=group, op=dist.ReduceOp.MAX)
+    framed = torch.zeros(8 + int(longest.item()), dtype=torch.uint8)  # 8 bytes of length, then the JSON
+    framed[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    if payload:
+        framed[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    me = dist.get_rank()
+    gathered = [torch.empty_like(framed) for _ in range(dist.get_world_size(group))] if me == dst else None
+    _collective(group, "gather", framed.numel() * (len(gathered) if gathered else 1),
+                lambda: dist.gather(framed, gathered, dst=dst, group=group))
+    if gathered is None:
+        return None
+    return [json.loads(g[8:8 + int(g[:8].view(torch.int64).item())].numpy().tobytes()) for g in gathered]
+
+
 def broadcast_json(value: Any, src: int, group: dist.ProcessGroup | None = None) -> Any:
     """Collective over `group`: global rank `src`'s JSON-able `value` on every rank (the others
     pass anything, e.g. None). JSON, not pickle; the group must be a CPU (gloo) one."""

@@ -2,6 +2,7 @@
 collective over it reaches exactly them."""
 
 import torch
+import torch.distributed as dist
 
 from mshpc.mesh_shape import GROUP_NAMES, MeshShape
 from mshpc.parallel import comm
@@ -18,7 +19,10 @@ def groups_seen(rank: int, world: int) -> dict:
         group = getattr(mesh, name)
         total = torch.tensor([float(rank)])
         comm.all_reduce(total, group=group)
-        out[name] = {"members": comm.all_gather_json(rank, group=group), "sum": total.item()}
+        out[name] = {"members": comm.all_gather_json(rank, group=group), "sum": total.item(),
+                     # to the group's first rank only, values of different lengths
+                     "gathered": comm.gather_json({"r": rank, "pad": "x" * rank}, dst=dist.get_global_rank(group, 0),
+                                                  group=group)}
     return out
 
 
@@ -31,6 +35,8 @@ def test_dp2_tp2_pp2_groups_hold_the_right_ranks():
         for name, ranks in SHAPE.group_ranks(rank).items():
             assert seen[name]["members"] == list(ranks), (rank, name)
             assert seen[name]["sum"] == sum(ranks), (rank, name)
+            expected = [{"r": r, "pad": "x" * r} for r in ranks] if rank == ranks[0] else None
+            assert seen[name]["gathered"] == expected, (rank, name)
     # spot checks against the layout written out by hand: tp innermost, then dp, then pp
     assert results[5]["tp"]["members"] == [4, 5] and results[5]["dp"]["members"] == [5, 7]
     assert results[5]["pp"]["members"] == [1, 5] and results[5]["mp"]["members"] == [0, 1, 4, 5]

@@ -1,16 +1,15 @@
 """The straggler detector on synthetic timings, fed through the same file format and arrays the
 real runs use."""
 
-import json
-
 import numpy as np
 import pytest
 
 from mshpc.config import DiagnoseConfig
 from mshpc.diagnose.stragglers import StragglerWatch, detect, eviction_candidates, median_of_others
-from mshpc.diagnose.timings import header, rank_file, to_arrays
+from mshpc.diagnose.timings import rank_file, to_arrays
+from mshpc.diagnose.watch_stream import stream_file
 from mshpc.events import read_events
-from support.synthetic_timings import MESH, ranks, synthetic, write_files
+from support.synthetic_timings import MESH, ranks, synthetic, watch_lines, write_files
 
 def run_detector(records, cfg=DiagnoseConfig()):
     return detect(to_arrays(list(zip(ranks(), records))), cfg)
@@ -82,20 +81,21 @@ def test_live_watch_reads_growing_files_and_writes_one_event(tmp_path):
     records = synthetic(100, 4, slow_rank=3, slow_from=20, factor=1.5)
     cfg = DiagnoseConfig()
     watch = StragglerWatch(tmp_path, MESH.world_size, cfg, start_step=0)
-    for info, recs in zip(ranks(), records):  # headers, then steps in chunks, the last line torn
-        rank_file(tmp_path, info.rank).parent.mkdir(parents=True, exist_ok=True)
-        rank_file(tmp_path, info.rank).write_text(json.dumps(header(info, "cpu", 0)) + "\n")
-    lines = {r: [json.dumps(rec) + "\n" for rec in recs.values()] for r, recs in enumerate(records)}
-    for lo in range(0, 100, 25):
+    steps = watch_lines(tmp_path, records)
+    for lo in range(0, 100, 25):  # steps in chunks, the last watch record torn
         for r in range(MESH.world_size):
-            chunk = "".join(lines[r][lo:lo + 25])
-            with rank_file(tmp_path, r).open("a") as f:
-                f.write(chunk[:-7])  # half a line now ...
+            lines, recs = zip(*steps[r][lo:lo + 25], strict=True)
+            with rank_file(tmp_path, r).open("ab") as f:
+                f.write(b"".join(lines))
+            with stream_file(tmp_path, r).open("ab") as f:
+                f.write(b"".join(recs)[:-7])  # half a record now ...
         watch.poll()
         for r in range(MESH.world_size):
-            with rank_file(tmp_path, r).open("a") as f:
-                f.write("".join(lines[r][lo:lo + 25])[-7:])  # ... the rest later
+            with stream_file(tmp_path, r).open("ab") as f:
+                f.write(steps[r][lo + 24][1][-7:])  # ... the rest later
     watch.poll()
+    watch.close()
     events = [e for e in read_events(tmp_path) if e["kind"] == "straggler"]
+    assert events[0]["phase"] in ("forward", "backward", "optimizer")  # read from its JSON line
     assert [(e["rank"], e["evict_candidate"]) for e in events] == [(3, True)]
     assert 20 <= events[0]["since_step"] < 40
