@@ -146,7 +146,9 @@ class CausalSelfAttention(nn.Module):
         # q and k rotated in one call, as (b, s, nh + nkv, hd): a strided view of qkv, no copy
         qk = self.kernels.rope(qkv[:, :, :self.n_head + self.n_kv_head], cos, sin)
         q, k = qk.split((self.n_head, self.n_kv_head), dim=2)  # (b, s, nh, hd), (b, s, nkv, hd)
-        v = qkv[:, :, self.n_head + self.n_kv_head:]
+        # v copied out of qkv: SDPA saves v for backward, and a view would keep the whole qkv
+        # output alive with it (q and k are rope's new tensor already): Korthikanti's count
+        v = qkv[:, :, self.n_head + self.n_kv_head:].contiguous()
         if cache is None:
             y = self.attend(q, k, v, self.dropout if self.training else 0.0, doc_mask)
         else:
