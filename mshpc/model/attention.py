@@ -138,6 +138,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
+        return self.resid_dropout(self.proj(self.heads(x, doc_mask, cache)))  # (b, s, d)
+
+    def heads(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
+              cache: KVCache | None = None) -> torch.Tensor:
+        """Everything before the output projection: the heads' outputs (b, s, nh * hd), which the
+        fused parallel block projects itself, chunk by chunk behind its reduce-scatter."""
         qkv = self.qkv(x)  # (b, s, (nh + 2 * nkv) * hd): s and the width from qkv, which may gather or split them
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, -1, self.head_dim)  # (b, s, nh + 2 * nkv, hd)
@@ -153,7 +159,7 @@ class CausalSelfAttention(nn.Module):
             y = self.attend(q, k, v, self.dropout if self.training else 0.0, doc_mask)
         else:
             y = cache.attend(q, k, v, self.window)
-        return self.resid_dropout(self.proj(y.reshape(b, s, -1)))  # (b, s, d)
+        return y.reshape(b, s, -1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                doc_mask: torch.Tensor | None = None) -> torch.Tensor:
