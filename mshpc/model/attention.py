@@ -138,6 +138,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
+        return self.resid_dropout(self.proj(self.heads(x, doc_mask, cache)))  # (b, s, d)
+
+    def heads(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
+              cache: KVCache | None = None) -> torch.Tensor:
+        """Everything before the output projection: the heads' outputs (b, s, nh * hd), which the
+        fused parallel block projects itself, chunk by chunk behind its reduce-scatter."""
         qkv = self.qkv(x)  # (b, s, (nh + 2 * nkv) * hd): s and the width from qkv, which may gather or split them
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, -1, self.head_dim)  # (b, s, nh + 2 * nkv, hd)
@@ -146,12 +152,14 @@ class CausalSelfAttention(nn.Module):
         # q and k rotated in one call, as (b, s, nh + nkv, hd): a strided view of qkv, no copy
         qk = self.kernels.rope(qkv[:, :, :self.n_head + self.n_kv_head], cos, sin)
         q, k = qk.split((self.n_head, self.n_kv_head), dim=2)  # (b, s, nh, hd), (b, s, nkv, hd)
-        v = qkv[:, :, self.n_head + self.n_kv_head:]
+        # v copied out of qkv: SDPA saves v for backward, and a view would keep the whole qkv
+        # output alive with it (q and k are rope's new tensor already): Korthikanti's count
+        v = qkv[:, :, self.n_head + self.n_kv_head:].contiguous()
         if cache is None:
             y = self.attend(q, k, v, self.dropout if self.training else 0.0, doc_mask)
         else:
             y = cache.attend(q, k, v, self.window)
-        return self.resid_dropout(self.proj(y.reshape(b, s, -1)))  # (b, s, d)
+        return y.reshape(b, s, -1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                doc_mask: torch.Tensor | None = None) -> torch.Tensor:

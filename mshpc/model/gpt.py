@@ -75,9 +75,13 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(self.hidden(x)))
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation's output (b, s, ffn), the down projection's input: the fused parallel
+        block projects it itself, chunk by chunk behind its reduce-scatter."""
         h = self.fc(x)  # (b, s, 2 * ffn) [gate | up] for swiglu, else (b, s, ffn)
-        h = self.kernels.swiglu(h) if self.gated else self.kernels.bias_gelu(h, self.fc_bias)
-        return self.dropout(self.proj(h))
+        return self.kernels.swiglu(h) if self.gated else self.kernels.bias_gelu(h, self.fc_bias)
 
 
 class Block(nn.Module):

@@ -1,8 +1,9 @@
 """The parallel block under tensor + sequence parallelism with its communication fused
 (MegaScale sec. 3.1): attention and the MLP read one normed input, so its all-gather is done once
 and feeds both column-parallel GEMMs (qkv and mlp.fc), and their row-parallel outputs are added
-before one reduce-scatter. Per layer and micro-batch: 1 all-gather + 1 reduce-scatter forward
-where the serial block (Megatron) issues 2 + 2.
+before one reduce-scatter, whose chunks travel while the next chunk's projection GEMMs run
+(`tensor.SharedScatter`; the gather overlaps the same way). Per layer and micro-batch: 1
+all-gather + 1 reduce-scatter forward where the serial block (Megatron) issues 2 + 2.
 
 Weights keep their names and tp splits (attn.qkv.weight [q; k; v] by heads, mlp.fc.weight by
 rows; the projections by columns), so a checkpoint of the unfused block loads here and back.
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mshpc.parallel.tensor import PartialRowLinear, SharedGather, SharedInputSlot, scatter_sum
+from mshpc.parallel.tensor import PartialRowLinear, SharedGather, SharedInputSlot, SharedScatter
 from mshpc.parallel.tp_split import TpSplit
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,14 @@ def fuse_parallel_block(block: Any, local: dict[str, tuple[torch.Tensor, TpSplit
     attn.proj, mlp.proj = (PartialRowLinear(local[name][0]) for name in ("attn.proj", "mlp.proj"))
     # registered after attn and mlp: the weights' first (checkpoint) names stay theirs
     block.shared_gather = SharedGather([attn.qkv, mlp.fc], group, chunks)
-    block.forward = functools.partial(fused_forward, block, group, chunks)
+    block.shared_scatter = SharedScatter([attn.proj, mlp.proj], group, chunks)
+    block.forward = functools.partial(fused_forward, block)
 
 
-def fused_forward(block: Any, group: dist.ProcessGroup, chunks: int, x: torch.Tensor,
-                  doc_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """x (b, s/tp, d) -> x + attn(ln_1(x)) + mlp(ln_1(x)), (b, s/tp, d). Collective over `group`."""
+def fused_forward(block: Any, x: torch.Tensor, doc_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """x (b, s/tp, d) -> x + attn(ln_1(x)) + mlp(ln_1(x)), (b, s/tp, d). Collective over the
+    block's tp group. No dropout here: `fusable` leaves blocks with dropout unfused."""
     h, _ = block.ln_1(x)  # (b, s/tp, d)
     qkv, fc = block.shared_gather(h)  # (b, s, 3d/tp), (b, s, ffn/tp): one all-gather of h
-    partial = block.attn(qkv, doc_mask) + block.mlp(fc)  # (b, s, d): this rank's heads and columns
-    return x + scatter_sum(partial, group, chunks)  # one reduce-scatter of the sum
+    heads, hidden = block.attn.heads(qkv, doc_mask), block.mlp.hidden(fc)  # this rank's heads and columns
+    return x + block.shared_scatter(heads, hidden)  # both projections, one reduce-scatter of their sum

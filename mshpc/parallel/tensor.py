@@ -219,6 +219,40 @@ class _ScatterSum(torch.autograd.Function):
         return gather_seq(dy.contiguous(), None, ctx.group, ctx.chunks)[0], None, None
 
 
+class _LinearsScatterSum(torch.autograd.Function):
+    """y = reduce_scatter_seq(sum_i x_i @ W_i^T), chunk by chunk: chunk k's GEMMs run while
+    chunk k-1's reduce-scatter travels (the fused parallel block's attention and MLP
+    projections, MegaScale sec. 3.1-3.2). Backward: dy_full = all_gather_seq(dy), each
+    dx_i = dy_full @ W_i as its chunk lands, dW_i = dy_full^T x_i."""
+
+    @staticmethod
+    def forward(ctx: Any, group: dist.ProcessGroup, chunks: int, n: int, *xs_ws: torch.Tensor) -> torch.Tensor:
+        xs, weights = xs_ws[:n], xs_ws[n:]
+        dtype = _compute_dtype(xs[0])
+        xs_in, ws = [x.to(dtype) for x in xs], [w.to(dtype) for w in weights]
+        ctx.save_for_backward(*xs_in, *weights)
+        ctx.group, ctx.chunks, ctx.n, ctx.x_dtypes = group, chunks, n, [x.dtype for x in xs]
+        tp, s = dist.get_world_size(group), xs[0].shape[1]
+        rows = [x.unflatten(1, (tp, s // tp)) for x in xs_in]  # (b, tp, s_l, in_i)
+
+        def chunk(lo: int, hi: int) -> torch.Tensor:  # the partial sums the unfused block adds
+            ys = [F.linear(r[:, :, lo:hi], w) for r, w in zip(rows, ws, strict=True)]
+            return functools.reduce(torch.add, ys)
+
+        return scatter_chunks(chunk, xs[0].shape[0], s // tp, group, chunks)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        xs, weights = saved[:ctx.n], saved[ctx.n:]
+        ws = [w.to(x.dtype) for x, w in zip(xs, weights, strict=True)]
+        dy = dy.contiguous().to(xs[0].dtype)
+        grads_in = [functools.partial(torch.matmul, other=w) for w in ws]  # each dx_i, chunk by chunk
+        dxs, dy_full = land_gather(dy, start_gather(dy, ctx.group, ctx.chunks), grads_in)
+        dws = [_rows(dy_full).t().matmul(_rows(x)).to(w.dtype) for x, w in zip(xs, weights, strict=True)]
+        return None, None, None, *(dx.to(d) for dx, d in zip(dxs, ctx.x_dtypes, strict=True)), *dws
+
+
 class ColumnParallelLinear(nn.Module):
     """x (b, s/tp, in) -> (b, s, out/tp): all-gather along the sequence, then this rank's rows of
     the weight. Collective over `group` in forward and backward."""
@@ -286,9 +320,10 @@ class RowParallelLinear(nn.Module):
 
 
 class PartialRowLinear(nn.Module):
-    """x (b, s, in/tp) -> this rank's partial sum (b, s, out) of x @ W^T, not yet reduced: the
-    fused parallel block adds attention's and the MLP's and reduce-scatters them once
-    (`scatter_sum`). No collective."""
+    """x (b, s, in/tp) -> this rank's partial sum (b, s, out) of x @ W^T, not yet reduced. In
+    the fused parallel block it holds the projection's weight under its usual name and split,
+    and `SharedScatter` computes it, added to the other branch's and reduce-scattered once. No
+    collective."""
 
     split = COLUMNS
 
@@ -300,10 +335,22 @@ class PartialRowLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-def scatter_sum(x: torch.Tensor, group: dist.ProcessGroup, chunks: int = 1) -> torch.Tensor:
-    """Partial sums (b, s, ...) -> this rank's (b, s/tp, ...) of their sum over `group`; backward
-    all-gathers. Collective over `group` in forward and backward."""
-    return _ScatterSum.apply(x, group, chunks)
+class SharedScatter(nn.Module):
+    """Row-parallel GEMMs of the fused parallel block, x_i (b, s, in_i/tp) -> (b, s/tp, out):
+    this rank's partial sums of attention's and the MLP's projections, added and reduce-scattered
+    as ONE collective whose chunks travel while the next chunk's GEMMs run. The projections'
+    weights are its own parameters too (their first names, attn.proj.weight and mlp.proj.weight,
+    stay theirs), so ZeRO waits for them before this runs. Collective over `group`."""
+
+    def __init__(self, projections: list[PartialRowLinear], group: dist.ProcessGroup, chunks: int = 1) -> None:
+        super().__init__()
+        for i, proj in enumerate(projections):
+            self.register_parameter(f"weight_{i}", proj.weight)
+        self.n, self.group, self.chunks = len(projections), group, chunks
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        weights = [getattr(self, f"weight_{i}") for i in range(self.n)]
+        return _LinearsScatterSum.apply(self.group, self.chunks, self.n, *xs, *weights)
 
 
 class VocabParallelEmbedding(nn.Module):

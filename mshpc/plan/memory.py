@@ -7,8 +7,8 @@ masks and sliding windows). They follow Korthikanti et al. 2022 ("Reducing Activ
 Recomputation in Large Transformer Models") sec. 4, whose serial block with dropout keeps
 sbh(34/t + 5as/(ht)) bytes of 16-bit activations per layer (eq. 2, `korthikanti_layer_bytes`),
 with mshpc's differences: the residual stream (each norm's input) is fp32 under bf16 autocast;
-v is a view that keeps the whole qkv output; the MLP is r*h wide (2 * ffn into SwiGLU), k and v
-have n_kv_head heads; the parallel block has one norm and one shared input; no dropout masks
+the MLP is r*h wide (2 * ffn into SwiGLU), k and v have n_kv_head heads (under tp each rank
+keeps whole copies of them where there are fewer than tp); the parallel block has one norm and one shared input; no dropout masks
 when model.dropout is 0; no score matrix where attention runs fused (SDPA's flash kernels keep
 a logsumexp per head and token), but SDPA's additive copy of a document or window mask. Selective
 recomputation drops what the attention core makes (sec. 4.2); full recomputation keeps each
@@ -101,14 +101,15 @@ def layer_activation_terms(m: ModelConfig, layout: Layout, flash: bool = True, d
     s, b, h, a, t = m.seq_len, layout.micro_batch, m.d_model, m.n_head, layout.tp
     tokens, e, hd = s * b / t, act_bytes, h // m.n_head
     norms = 1 if m.parallel_block else 2
+    kv = kv_heads_per_token_share(m, t)
     fc_out = (2 if m.mlp == "swiglu" else 1) * m.ffn_width  # [gate | up] for SwiGLU
     terms = {
         "norm_inputs": norms * RESIDUAL_BYTES * h,  # the residual stream, fp32
         "norm_rstd": norms * STAT_BYTES,
         # the column-parallel GEMMs' input, kept as the 1/tp sequence shard (parallel: one, shared)
         "gemm_input_shards": norms * e * h,
-        "rotated_q_k": e * (a + m.kv_heads) * hd,
-        "qkv_output": e * (a + 2 * m.kv_heads) * hd,  # all of it: v is a view that pins it
+        "rotated_q_k": e * (a + kv) * hd,  # rope's output: SDPA's q and k, one storage
+        "values": e * kv * hd,  # v, copied out of the qkv output so that it does not pin it
         "attention_output": e * h,  # the projection's input
         "attention_logsumexp": STAT_BYTES * a,
         "fc_output": e * fc_out,  # the activation's input
@@ -124,6 +125,13 @@ def layer_activation_terms(m: ModelConfig, layout: Layout, flash: bool = True, d
     else:  # the attention core is recomputed: its statistics and masks are made again
         out["attention_logsumexp"] = 0
     return out
+
+
+def kv_heads_per_token_share(m: ModelConfig, tp: int) -> float:
+    """k's (and v's) heads, counted so that times hd and the 1/tp token share s*b/tp they are
+    one tp rank's elements: n_kv_head when tp splits them; a rank with whole copies (fewer kv
+    heads than tp ranks: layer_params) holds n_kv_head / min(tp, n_kv_head) heads of all s*b."""
+    return m.kv_heads * tp / min(tp, m.kv_heads)
 
 
 def layer_activation_bytes(m: ModelConfig, layout: Layout, flash: bool = True, documents: bool = False,

@@ -16,10 +16,13 @@ from mshpc.parallel.apply import apply_tp
 from mshpc.parallel.mesh import build_mesh
 from mshpc.plan.saved_activations import layer_bytes, measure
 from support.rank_runner import run_ranks
-from unit.plan.test_saved_activations import B, M, formula
+from unit.plan.test_saved_activations import B, M, VARIANTS, formula
 
 CASES = [(pb, ck, docs, win) for pb in (False, True) for ck in ("none", "selective", "full")
          for docs, win in ((1, None), (3, 16))]
+# at tp=2: SwiGLU, 2 kv heads split over the ranks, 1 kv head copied on each (Megatron's rule)
+VARIANT_CASES = [("swiglu", True, None), ("gqa", False, torch.bfloat16), ("mqa", True, None),
+                 ("llama", False, torch.bfloat16)]
 
 
 def collectives_per_layer(group, parallel_block: bool) -> dict[str, int]:
@@ -57,6 +60,10 @@ def cases(rank, world):
             out["full_size_saved"] += [str(t) for t in record.tensors.get(1, [])
                                        if t[0] == (B, M.seq_len, M.d_model) and t[3] == "NoneType"]
     if world == 2:
+        for variant, pb, ac in VARIANT_CASES:
+            m = dataclasses.replace(M, parallel_block=pb, **VARIANTS[variant])
+            got = layer_bytes(measure(m, "none", B, mesh.tp, autocast=ac), M.n_layer)
+            out["bytes"].append([variant, pb, str(ac), got, formula(m, "none", world, False, 2 if ac else 4)])
         out["collectives"] = {kind: collectives_per_layer(mesh.tp, kind == "parallel") for kind in ("serial", "parallel")}
     return out
 

@@ -23,6 +23,13 @@ PAPER = {False: 16, True: 14}
 BF16 = torch.bfloat16
 CASES = [(pb, ck, docs, win, ac) for pb in (False, True) for ck in ("none", "selective", "full")
          for docs, win, ac in ((1, None, None), (1, None, BF16), (3, None, BF16), (1, 16, BF16))]
+# SwiGLU (its kernel's input [gate | up] saved whole) and grouped-query / multi-query attention
+# (k and v of n_kv_head heads), alone and as Llama has them; full recomputation keeps only the
+# layer's input whatever the block, so it is not repeated here
+VARIANTS = {"swiglu": dict(mlp="swiglu"), "gqa": dict(n_kv_head=2), "mqa": dict(n_kv_head=1),
+            "llama": dict(mlp="swiglu", n_kv_head=2, norm="rmsnorm", ffn_dim=344)}
+VARIANT_CASES = [(name, pb, ck, ac) for name in VARIANTS for pb in (False, True)
+                 for ck, ac in (("none", None), ("none", BF16), ("selective", BF16))]
 
 
 def formula(m, checkpointing, tp, documents, act_bytes):
@@ -38,6 +45,24 @@ def test_formula_is_the_measured_bytes(parallel_block, checkpointing, documents,
     got = layer_bytes(measure(m, checkpointing, B, documents=documents, autocast=autocast), M.n_layer)
     want = formula(m, checkpointing, 1, documents > 1, 2 if autocast else 4)
     assert got == pytest.approx(want, rel=0.05), (got / SBH, want / SBH)
+
+
+@pytest.mark.parametrize("variant,parallel_block,checkpointing,autocast", VARIANT_CASES)
+def test_formula_is_the_measured_bytes_for_swiglu_and_gqa(variant, parallel_block, checkpointing, autocast):
+    m = dataclasses.replace(M, parallel_block=parallel_block, **VARIANTS[variant])
+    got = layer_bytes(measure(m, checkpointing, B, autocast=autocast), M.n_layer)
+    want = formula(m, checkpointing, 1, False, 2 if autocast else 4)
+    assert got == pytest.approx(want, rel=0.05), (got / SBH, want / SBH)
+
+
+def test_v_is_saved_without_the_qkv_output_it_came_from():
+    # a view of v would pin the whole (b, s, nh + 2 nkv, hd) GEMM output: nothing saved is that wide
+    for kv in (4, 2):
+        m = dataclasses.replace(M, n_kv_head=kv)
+        qkv_width = (M.n_head + 2 * kv) * (M.d_model // M.n_head)
+        sizes = [nbytes for _, _, nbytes, _ in measure(m, "none", B).tensors[1]]
+        assert 4 * B * M.seq_len * qkv_width not in sizes, (kv, sizes)
+        assert 4 * B * M.seq_len * kv * (M.d_model // M.n_head) in sizes, (kv, sizes)  # v, its own storage
 
 
 @pytest.mark.parametrize("parallel_block", [False, True])
