@@ -141,6 +141,10 @@ class TrainConfig:
     init_from: str | None = None
     # nodes of the allocation (local: slots) held back to replace an evicted one
     spare_nodes: int = _min(0, 0)
+    # torch.compile each transformer block (after tp and recomputation, before ZeRO); the first
+    # step's compile time is logged and lands in its row as compile_s. On CUDA,
+    # model.fused_kernels=auto then runs the pure-torch operators, which inductor fuses faster
+    compile: bool = False
 
 
 @dataclass(frozen=True)
