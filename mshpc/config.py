@@ -216,7 +216,7 @@ class SupervisorConfig:
     # max(floor, timeout_k x its median duration so far); before 3 samples, the floor alone.
     timeout_k: float = _min(1.0, 10.0)
     timeout_floor_s: float = _min(0.1, 60.0)
-    checkpoint_timeout_s: float = _min(0.1, 600.0)  # the checkpoint and eval phases' floor: a long save or validation is no hang
+    checkpoint_timeout_s: float = _min(0.1, 600.0)  # the checkpoint, eval and compile phases' floor: a long save, validation or compilation is no hang
     setup_timeout_s: float = _min(0.1, 900.0)  # start-up: imports, rendezvous, resume
     max_restarts: int = _min(0, 3)  # restarts within one allocation (or local run) before giving up
     stop_grace_s: float = _min(0.0, 10.0)  # SIGTERM to every rank, SIGKILL after this

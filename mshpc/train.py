@@ -253,7 +253,8 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             beat.phase("data", step)
             with phase("data"):
                 batch = next(loader)
-            beat.phase("step", step)
+            # the first step compiles (train.compile): a long phase for hang detection, like a save
+            beat.phase("compile" if cfg.train.compile and step == start_step else "step", step)
             faults.at_step(step)
             loss, grad_norm = step_fn(batch)
             compile_row = compile_report(cfg.train, step == start_step, info.rank)
