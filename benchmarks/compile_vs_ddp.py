@@ -7,10 +7,13 @@ Four contenders on identical models and batches, in one run, taking turns within
 (parallel/apply.py: blocks compiled after tp and before ZeRO), plain DDP (torch's
 DistributedDataParallel, torch's foreach AdamW, clip_grad_norm_) eager and compiled (the same
 per-block torch.compile, applied before DDP wraps the model). The gpt-125m shape keeps its
-width and depth but trains short windows (--seq-125m) so a round takes seconds, not minutes.
+width and depth but trains short windows (--seq-125m) so a round takes seconds, not minutes;
+its four copies of the model with their optimizer states do not fit two ranks in this machine's
+memory, so there the pairs run one after the other (compiled vs compiled, eager vs eager), each
+pair interleaved.
 
     .venv/bin/python benchmarks/compile_vs_ddp.py [--shapes tiny,gpt-125m] [--rounds 3]
-        [--steps 2] [--micro-batch 2] [--seq-125m 128]
+        [--steps 2] [--micro-batch 2] [--seq-125m 64]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
+import queue
 import socket
 import sys
 import time
@@ -33,7 +37,7 @@ from two_ranks import REPO, WORKER_TIMEOUT_S, time_steps  # noqa: E402
 CONTENDERS = ("mshpc_eager", "mshpc_compiled", "ddp_eager", "ddp_compiled")
 
 
-def build_steps(cfg, rank: int, micro_batch: int) -> dict:
+def build_steps(cfg, rank: int, micro_batch: int, names: tuple[str, ...]) -> dict:
     """(step, finish) per contender, each on a fresh copy of the same model and this rank's batch."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -77,12 +81,13 @@ def build_steps(cfg, rank: int, micro_batch: int) -> dict:
             opt.zero_grad(set_to_none=True)
         return step, lambda: None
 
-    steps = {"mshpc_eager": mshpc_step(False), "mshpc_compiled": mshpc_step(True),
-             "ddp_eager": ddp_step(False), "ddp_compiled": ddp_step(True)}
-    return steps
+    build = {"mshpc_eager": lambda: mshpc_step(False), "mshpc_compiled": lambda: mshpc_step(True),
+             "ddp_eager": lambda: ddp_step(False), "ddp_compiled": lambda: ddp_step(True)}
+    return {name: build[name]() for name in names}
 
 
-def worker(rank: int, port: int, shape: str, args: argparse.Namespace, out: mp.Queue) -> None:
+def worker(rank: int, port: int, shape: str, names: tuple[str, ...], args: argparse.Namespace,
+           out: mp.Queue) -> None:
     import torch
     import torch.distributed as dist
 
@@ -95,7 +100,7 @@ def worker(rank: int, port: int, shape: str, args: argparse.Namespace, out: mp.Q
     overrides = ["parallel.dp=2"] + ([f"model.seq_len={args.seq_125m}"] if shape == "gpt-125m" else [])
     cfg = load_config(REPO / f"configs/{shape}.yaml", overrides)
     start = time.perf_counter()
-    steps = build_steps(cfg, rank, args.micro_batch)
+    steps = build_steps(cfg, rank, args.micro_batch, names)
     # the round-0 warm-up compiles every contender; what it spent is reported, not timed
     times = time_steps(steps, args.rounds, args.steps)
     if rank == 0:
@@ -117,17 +122,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_shape(shape: str, args: argparse.Namespace) -> dict:
+def run_pair(shape: str, names: tuple[str, ...], args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, shape, args, out)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, port, shape, names, args, out)) for r in range(2)]
     for p in procs:
         p.start()
-    result = json.loads(out.get(timeout=WORKER_TIMEOUT_S * 2))
+    while True:  # a rank killed (out of memory, say) must end the benchmark, not hang it
+        try:
+            result = json.loads(out.get(timeout=5))
+            break
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"compile_vs_ddp: a rank ended with exit code {dead[0]} at {shape}") from None
     for p in procs:
         p.join()
     return result
+
+
+def run_shape(shape: str, args: argparse.Namespace) -> dict:
+    """Every contender's step time at `shape`: all four interleaved, or two pairs where memory is short."""
+    groups = [CONTENDERS] if shape == "tiny" else [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager")]
+    results = [run_pair(shape, names, args) for names in groups]
+    merged = dict(results[0], step_s={k: v for r in results for k, v in r["step_s"].items()})
+    merged["compile_s"] = sum(r["compile_s"] for r in results)
+    return merged
 
 
 def lines(shape: str, r: dict, micro_batch: int) -> list[dict]:
@@ -140,8 +163,12 @@ def lines(shape: str, r: dict, micro_batch: int) -> list[dict]:
                 "value": round(tps[ours], 1), "unit": "tokens/s", "baseline": round(tps[baseline], 1),
                 "ratio": round(tps[ours] / tps[baseline], 3), **context}
 
-    return [line("mshpc_compiled", "ddp_compiled"), line("mshpc_eager", "ddp_eager"),
-            line("mshpc_compiled", "mshpc_eager"), line("ddp_compiled", "ddp_eager")]
+    pairs = [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager"),
+             ("mshpc_compiled", "mshpc_eager"), ("ddp_compiled", "ddp_eager")]
+    # across separately run pairs a ratio would compare different moments of a shared machine
+    together = shape == "tiny"
+    return [line(a, b) for a, b in pairs if together or {a, b} in ({"mshpc_compiled", "ddp_compiled"},
+                                                                    {"mshpc_eager", "ddp_eager"})]
 
 
 def main() -> None:
@@ -150,7 +177,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
-    parser.add_argument("--seq-125m", type=int, default=128, help="window length at the gpt-125m shape")
+    parser.add_argument("--seq-125m", type=int, default=64, help="window length at the gpt-125m shape")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
         for line in lines(shape, run_shape(shape, args), args.micro_batch):
