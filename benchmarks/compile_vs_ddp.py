@@ -13,7 +13,8 @@ memory, so there the pairs run one after the other (compiled vs compiled, eager 
 pair interleaved.
 
     .venv/bin/python benchmarks/compile_vs_ddp.py [--shapes tiny,gpt-125m] [--rounds 3]
-        [--steps 2] [--micro-batch 2] [--seq-125m 64]
+        [--steps 2] [--micro-batch 8] [--micro-batch-125m 1] [--seq-125m 64]
+        [--only mshpc_eager,mshpc_compiled]
 """
 
 from __future__ import annotations
@@ -100,12 +101,13 @@ def worker(rank: int, port: int, shape: str, names: tuple[str, ...], args: argpa
     overrides = ["parallel.dp=2"] + ([f"model.seq_len={args.seq_125m}"] if shape == "gpt-125m" else [])
     cfg = load_config(REPO / f"configs/{shape}.yaml", overrides)
     start = time.perf_counter()
-    steps = build_steps(cfg, rank, args.micro_batch, names)
+    micro_batch = args.micro_batch_125m if shape == "gpt-125m" else args.micro_batch
+    steps = build_steps(cfg, rank, micro_batch, names)
     # the round-0 warm-up compiles every contender; what it spent is reported, not timed
     times = time_steps(steps, args.rounds, args.steps)
     if rank == 0:
         out.put(json.dumps({"step_s": times, "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
-                            "tokens_per_step": 2 * args.micro_batch * cfg.model.seq_len,
+                            "tokens_per_step": 2 * micro_batch * cfg.model.seq_len, "micro_batch": micro_batch,
                             "seq_len": cfg.model.seq_len, "params": sum(p.numel() for p in steps_params(cfg))}))
     dist.destroy_process_group()
 
@@ -146,16 +148,22 @@ def run_pair(shape: str, names: tuple[str, ...], args: argparse.Namespace) -> di
 
 def run_shape(shape: str, args: argparse.Namespace) -> dict:
     """Every contender's step time at `shape`: all four interleaved, or two pairs where memory is short."""
-    groups = [CONTENDERS] if shape == "tiny" else [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager")]
+    if args.only:
+        groups = [tuple(args.only.split(","))]
+    elif shape == "tiny":
+        groups = [CONTENDERS]
+    else:
+        groups = [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager")]
     results = [run_pair(shape, names, args) for names in groups]
     merged = dict(results[0], step_s={k: v for r in results for k, v in r["step_s"].items()})
     merged["compile_s"] = sum(r["compile_s"] for r in results)
+    merged["group_of"] = {name: g for g, names in enumerate(groups) for name in names}
     return merged
 
 
-def lines(shape: str, r: dict, micro_batch: int) -> list[dict]:
+def lines(shape: str, r: dict) -> list[dict]:
     tps = {name: r["tokens_per_step"] / s for name, s in r["step_s"].items()}
-    context = {"shape": shape, "params": r["params"], "seq_len": r["seq_len"], "micro_batch_per_rank": micro_batch,
+    context = {"shape": shape, "params": r["params"], "seq_len": r["seq_len"], "micro_batch_per_rank": r["micro_batch"],
                "dp": 2, "device": "cpu", "compile_s_rank0": round(r["compile_s"], 1)}
 
     def line(ours: str, baseline: str) -> dict:
@@ -165,10 +173,9 @@ def lines(shape: str, r: dict, micro_batch: int) -> list[dict]:
 
     pairs = [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager"),
              ("mshpc_compiled", "mshpc_eager"), ("ddp_compiled", "ddp_eager")]
-    # across separately run pairs a ratio would compare different moments of a shared machine
-    together = shape == "tiny"
-    return [line(a, b) for a, b in pairs if together or {a, b} in ({"mshpc_compiled", "ddp_compiled"},
-                                                                    {"mshpc_eager", "ddp_eager"})]
+    # across separately run groups a ratio would compare different moments of a shared machine
+    together = {a: r["group_of"][a] for a in tps}
+    return [line(a, b) for a, b in pairs if a in tps and b in tps and together[a] == together[b]]
 
 
 def main() -> None:
@@ -176,11 +183,13 @@ def main() -> None:
     parser.add_argument("--shapes", default="tiny,gpt-125m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step (tiny.yaml's)")
+    parser.add_argument("--micro-batch-125m", type=int, default=1, help="sequences per rank per step at gpt-125m")
     parser.add_argument("--seq-125m", type=int, default=64, help="window length at the gpt-125m shape")
+    parser.add_argument("--only", default="", help=f"contenders to run together, of {','.join(CONTENDERS)}")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
-        for line in lines(shape, run_shape(shape, args), args.micro_batch):
+        for line in lines(shape, run_shape(shape, args)):
             print(json.dumps(line), flush=True)
 
 
