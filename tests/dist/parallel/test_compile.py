@@ -1,11 +1,11 @@
 """train.compile on 2 gloo ranks: each block compiled by torch.compile (inductor, through the
-fused CPU custom operators) trains like the eager engine, at dp=2 (one graph per block, fullgraph)
-and at tp=2 (the collectives run eagerly between graphs).
+fused CPU custom operators) trains like the eager engine, at dp=2 (one graph that both blocks
+share, fullgraph) and at tp=2 (the collectives run eagerly between graphs).
 
 One spawn runs both layouts, eager then compiled, so the ranks pay torch's start-up once and the
 second compile finds the first's caches: 37 s with a cold inductor cache on a quiet 2-core
-machine, 15 s warm, 96-122 s while seven other test runs shared the machine. Tolerance: inductor fuses and reorders the blocks'
-elementwise work and reductions (rounding differs, fp32), so losses agree to rel 1e-5 and
+machine, 15 s warm, 96-122 s while seven other test runs shared the machine. Tolerance:
+inductor fuses and reorders the blocks' elementwise work and reductions (rounding differs, fp32), so losses agree to rel 1e-5 and
 parameters to 1e-5 after 3 steps, as the other parity tests allow for reordered sums."""
 
 from __future__ import annotations
