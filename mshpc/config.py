@@ -141,6 +141,10 @@ class TrainConfig:
     init_from: str | None = None
     # nodes of the allocation (local: slots) held back to replace an evicted one
     spare_nodes: int = _min(0, 0)
+    # torch.compile each transformer block (after tp and recomputation, before ZeRO); the first
+    # step's compile time is logged and lands in its row as compile_s. On CUDA,
+    # model.fused_kernels=auto then runs the pure-torch operators, which inductor fuses faster
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -216,7 +220,7 @@ class SupervisorConfig:
     # max(floor, timeout_k x its median duration so far); before 3 samples, the floor alone.
     timeout_k: float = _min(1.0, 10.0)
     timeout_floor_s: float = _min(0.1, 60.0)
-    checkpoint_timeout_s: float = _min(0.1, 600.0)  # the checkpoint and eval phases' floor: a long save or validation is no hang
+    checkpoint_timeout_s: float = _min(0.1, 600.0)  # the checkpoint, eval and compile phases' floor: a long save, validation or compilation is no hang
     setup_timeout_s: float = _min(0.1, 900.0)  # start-up: imports, rendezvous, resume
     max_restarts: int = _min(0, 3)  # restarts within one allocation (or local run) before giving up
     stop_grace_s: float = _min(0.0, 10.0)  # SIGTERM to every rank, SIGKILL after this

@@ -40,6 +40,7 @@ from mshpc.mesh_shape import MeshShape
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn, parallelize
+from mshpc.parallel.compile_blocks import compile_seconds
 from mshpc.parallel.mesh import Mesh, build_mesh
 from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
 from mshpc.parallel.zero import ZeroEngine
@@ -149,6 +150,17 @@ def train_step(
     return loss_sum / cfg.parallel.dp, grad_norm
 
 
+def compile_report(cfg: TrainConfig, first_step: bool, rank: int) -> dict[str, float]:
+    """The first step's compile time under train.compile (blocks compile on first use, their
+    backward in the first backward): one line on rank 0, and compile_s in the step's row."""
+    if not (cfg.compile and first_step):
+        return {}
+    compile_s = compile_seconds()
+    if rank == 0:
+        log.info("train.compile: the first step spent %.1f s compiling the blocks", compile_s)
+    return {"compile_s": compile_s}
+
+
 def build_data(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, start_step: int) -> BatchLoader:
     """This rank's loader: every tp rank and pipeline stage of a dp replica reads its batch.
     Collective over the world (the per-node reader's start-up)."""
@@ -241,9 +253,11 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             beat.phase("data", step)
             with phase("data"):
                 batch = next(loader)
-            beat.phase("step", step)
+            # the first step compiles (train.compile): a long phase for hang detection, like a save
+            beat.phase("compile" if cfg.train.compile and step == start_step else "step", step)
             faults.at_step(step)
             loss, grad_norm = step_fn(batch)
+            compile_row = compile_report(cfg.train, step == start_step, info.rank)
             stage1_wait_s = ckpt.pop_stage1_wait()
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
@@ -259,13 +273,13 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             tokens_per_s = tokens_per_step / step_time_s
             step_mfu = mfu(tokens_per_s, cfg.model, info.world_size, rt.peak_tflops)
             tflops = diag.end_step(step + 1, tokens_per_s)
-            if loggers is not None and ((step + 1) % cfg.run.log_interval_steps == 0 or val_row):
+            if loggers is not None and ((step + 1) % cfg.run.log_interval_steps == 0 or val_row or compile_row):
                 loggers.write({
                     "step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
                     "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu, "tflops": tflops,
                     "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
                     "ckpt_stage1_wait_s": stage1_wait_s,
-                    "max_memory_gib": max_memory_gib(rt), **val_row,
+                    "max_memory_gib": max_memory_gib(rt), **val_row, **compile_row,
                 })
             progress.update(step, losses[-1], tokens_per_s, step_mfu)
             stop = watcher.should_stop()  # collective over the world: all ranks agree

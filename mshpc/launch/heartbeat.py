@@ -45,7 +45,7 @@ from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
-PHASES = ("setup", "data", "step", "eval", "checkpoint")
+PHASES = ("setup", "data", "step", "compile", "eval", "checkpoint")  # compile: train.compile's first step
 MIN_SAMPLES = 3  # a phase's median means something after this many
 _WINDOW = 64  # recent durations kept per phase
 ORPHAN_EXIT = 1  # a rank that outlived its supervisor and could not stop in order

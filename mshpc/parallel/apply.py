@@ -1,6 +1,7 @@
 """The one place a model meets the mesh: each parallelism applied to the plain GPT from outside,
 one function each, in torchtitan's order: tensor + sequence parallelism, then activation
 checkpointing (it must wrap the tensor-parallel modules, whose collectives it then recomputes),
+then torch.compile of each block (`train.compile`: the graph holds the block as it will run),
 then ZeRO data parallelism (it must see the final, sharded parameters).
 
 Every rank builds the whole model from the same seed and keeps its own slices of it, so a split
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from mshpc.config import Config, ParallelConfig
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
+from mshpc.parallel.compile_blocks import apply_compile
 from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.parallel_block import fusable, fuse_parallel_block, log_choice
 from mshpc.parallel.tensor import (
@@ -48,10 +50,13 @@ class Parallelized:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] = frozenset()) -> Parallelized:
-    """Apply TP/SP, activation checkpointing and ZeRO to `model`, in that order; `tied`: see
-    apply_zero. Collective over the tp and dp groups."""
+    """Apply TP/SP, activation checkpointing, compilation and ZeRO to `model`, in that order;
+    `tied`: see apply_zero. Collective over the tp and dp groups."""
     loss = apply_tp(model, mesh.tp, cfg.parallel) if mesh.shape.tp > 1 else loss_fn
     apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
+    if cfg.train.compile:
+        device = next(model.parameters()).device
+        apply_compile(_blocks(model), cfg.model.fused_kernels, device, fullgraph=mesh.shape.tp == 1)
     return Parallelized(apply_zero(model, mesh, cfg, tied), loss)
 
 
@@ -179,4 +184,5 @@ def apply_zero(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] =
                        copies=copies)
     # the fused multi-tensor optimizer where the kernels built (chosen once per process, logged)
     fused = select_kernels(cfg.model.fused_kernels).fused
-    return build_zero_engine(model, cfg.optim, cfg.parallel, mesh.dp, mp, fused=fused)
+    units = tuple(_blocks(model)) if cfg.train.compile else ()  # compiled: one hook per block
+    return build_zero_engine(model, cfg.optim, cfg.parallel, mesh.dp, mp, fused=fused, hook_units=units)

@@ -121,12 +121,20 @@ def build_piece_groups(
     return groups
 
 
-def _register_hooks(engine: ZeroEngine) -> None:
+def _register_hooks(engine: ZeroEngine, units: tuple[nn.Module, ...]) -> None:
+    """Gradient hooks per parameter; forward pre-hooks that wait for a module's all-gathered
+    weights, per module, or once per unit (a compiled block) for everything inside it: a hook
+    inside a compiled graph would be traced, and its wait on a collective cannot be."""
     for i, p in enumerate(engine.params):
         p.register_post_accumulate_grad_hook(lambda _, i=i: engine._on_grad(i))
     index_of = {id(p): i for i, p in enumerate(engine.params)}
+    unit_ids = {id(u) for u in units}
+    inside = {id(m) for u in units for m in u.modules() if m is not u}
     for module in engine.model.modules():
-        own = {engine.bucket_of[index_of[id(p)]] for p in module.parameters(recurse=False) if id(p) in index_of}
+        if id(module) in inside:
+            continue
+        mine = module.parameters(recurse=id(module) in unit_ids)
+        own = {engine.bucket_of[index_of[id(p)]] for p in mine if id(p) in index_of}
         if own:
             buckets = tuple(sorted(own))
             module.register_forward_pre_hook(lambda *_, b=buckets: engine._wait_gathers(b))
@@ -134,11 +142,12 @@ def _register_hooks(engine: ZeroEngine) -> None:
 
 def build_zero_engine(
     model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
-    mp: ModelParallel = DP_ONLY, fused: bool = False,
+    mp: ModelParallel = DP_ONLY, fused: bool = False, hook_units: tuple[nn.Module, ...] = (),
 ) -> ZeroEngine:
     """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
     (None: the world), with the optimizer named by `optim` (its multi-tensor kernel version when
-    `fused`); `mp` says how the model is split besides. Collective over the dp group."""
+    `fused`); `mp` says how the model is split besides; each of `hook_units` (compiled blocks)
+    waits for its weights as a whole. Collective over the dp group."""
     named = _trainable(model)
     params = [p for _, p in named]
     rank, dp = dist.get_rank(group), dist.get_world_size(group)
@@ -158,5 +167,5 @@ def build_zero_engine(
     optimizer = build_shard_optimizer(groups, len(params), optim, group, mp.tp, tp_whole, fused)
     engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group,
                         parallel.dp_overlap, mp)
-    _register_hooks(engine)
+    _register_hooks(engine, hook_units)
     return engine

@@ -28,6 +28,7 @@ def test_timeouts_follow_the_median_above_the_floor():
     assert phase_timeout(CFG, "step", [1.0, 4.0]).seconds == 20  # the slowest rank's median counts
     assert phase_timeout(CFG, "checkpoint", [4.0]).seconds == 100  # a long save is not a hang
     assert phase_timeout(CFG, "eval", [4.0]).seconds == 100  # nor a long validation
+    assert phase_timeout(CFG, "compile", [4.0]).seconds == 100  # nor train.compile's first step
     assert phase_timeout(CFG, "setup", [99.0]).seconds == 300
 
 
