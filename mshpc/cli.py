@@ -222,8 +222,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise LaunchError(f"--nproc={args.nproc} must be >= 1")
     if env.launcher == "single":
         nproc = args.nproc or cfg.world_size
-        if nproc > 1 and cfg.parallel.layout == "manual":
-            resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
+        if nproc > 1:
+            if cfg.parallel.layout == "manual":  # auto fits any world, or says why in the ranks
+                resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
             from mshpc.launch.supervisor import supervise_local
 
             return supervise_local(cfg, ["train", args.config, *_set_args(args)], nproc)
