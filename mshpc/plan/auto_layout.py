@@ -23,10 +23,11 @@ from mshpc.plan.layout import CHECKPOINTING, Layout
 from mshpc.plan.memory import GIB
 from mshpc.plan.report import Prediction, plan
 
-# Predicted step times within 1% of the fastest are a tie: the time model is no closer than that
-# to a measured step (benchmarks/plan_vs_measured.py), so the simplest of them wins
-# (`simplicity`).
-TIE = 0.01
+# Predicted step times this close to the fastest are a tie (equal up to float rounding: layouts
+# that differ only in how the batch is cut often predict the same time); the simplest of them
+# wins (`simplicity`). Anything slower loses, so the choice is `mshpc plan`'s first fitting row
+# whenever that row is unique.
+TIE = 1e-9
 # CPU ranks as the time model sees them. The model FLOP rate per core is the tiny config's
 # whole step on the 2-core development machine (`make run`: 5.5-6.0k tokens/s on 2 ranks of one
 # thread, 20.8 MFLOP per token: 0.06 TFLOP/s a core), so element-wise work is in it and the
@@ -130,7 +131,7 @@ def choice_line(choice: Choice, world: int, dev: DeviceSpec) -> str:
         line += "none"
     else:
         line += (f"{_describe(up.layout)}, {up.time.total_s:.4g} s/step "
-                 f"({up.time.total_s / best.time.total_s:.2f}x), {up.memory.total / GIB:.2f} GiB")
+                 f"({up.time.total_s / best.time.total_s:.3f}x), {up.memory.total / GIB:.2f} GiB")
     return line + f"; {choice.fitting} of {choice.weighed} layouts fit"
 
 
