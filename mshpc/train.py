@@ -72,7 +72,11 @@ class Runtime:
 
 
 def uses_cuda(cfg: TrainConfig) -> bool:
-    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    """Whether this rank computes on its GPU (train.device); a ConfigError when asked to and none is seen."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("train.device='cuda' but no CUDA device is visible (choose 'auto' or 'cpu')")
+    return use_cuda
 
 
 def uses_bf16(cfg: TrainConfig, use_cuda: bool) -> bool:
@@ -81,8 +85,6 @@ def uses_bf16(cfg: TrainConfig, use_cuda: bool) -> bool:
 
 def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
     use_cuda = uses_cuda(cfg)
-    if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA device is visible (choose 'auto' or 'cpu')")
     if use_cuda:
         torch.cuda.set_device(info.local_rank)
         device, name = torch.device("cuda", info.local_rank), torch.cuda.get_device_name()

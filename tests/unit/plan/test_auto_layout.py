@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from mshpc.config import load_config, resolve_world, validate
 from mshpc.errors import ConfigError
@@ -145,3 +146,14 @@ def test_manual_is_the_default_and_auto_is_a_choice():
     assert load_config(TINY).parallel.layout == "manual"
     with pytest.raises(ConfigError, match="parallel.layout='best' is not a valid choice"):
         load_config(TINY, ["parallel.layout=best"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_auto_on_a_missing_gpu_is_the_runtimes_one_line():
+    from mshpc.config import TrainConfig
+    from mshpc.train import uses_cuda
+
+    # fit_to_world asks before building the runtime: the same error, not set_device's traceback
+    with pytest.raises(ConfigError, match="train.device='cuda' but no CUDA device is visible"):
+        uses_cuda(TrainConfig(device="cuda"))
+    assert uses_cuda(TrainConfig(device="auto")) is False
