@@ -223,7 +223,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if env.launcher == "single":
         nproc = args.nproc or cfg.world_size
         if nproc > 1:
-            resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
+            if cfg.parallel.layout == "manual":  # auto fits any world, or says why in the ranks
+                resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
             from mshpc.launch.supervisor import supervise_local
 
             return supervise_local(cfg, ["train", args.config, *_set_args(args)], nproc)

@@ -88,6 +88,10 @@ class ParallelConfig:
     # pipeline schedule: 1f1b (interleaved 1F1B when virtual_stages > 1) or gpipe (all forwards,
     # then all backwards: the baseline, holding every micro-batch's activations)
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    # manual: dp, tp, pp, virtual_stages, micro_batch, grad_accum and activation_checkpointing as
+    # written (dp fitted to the world); auto: `mshpc plan`'s fastest layout that fits the world
+    # the job gets, at this config's global batch (mshpc/plan/auto_layout.py)
+    layout: Literal["manual", "auto"] = "manual"
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from mshpc.parallel.compile_blocks import compile_seconds
 from mshpc.parallel.mesh import Mesh, build_mesh
 from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
 from mshpc.parallel.zero import ZeroEngine
+from mshpc.plan.auto_layout import fit_layout, rank_device_spec, smallest_over_world
 from mshpc.plan.report import fit_warning
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
@@ -71,10 +72,20 @@ class Runtime:
     peak_tflops: float | None
 
 
-def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
+def uses_cuda(cfg: TrainConfig) -> bool:
+    """Whether this rank computes on its GPU (train.device); a ConfigError when asked to and none is seen."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("train.device='cuda' but no CUDA device is visible (choose 'auto' or 'cpu')")
+    return use_cuda
+
+
+def uses_bf16(cfg: TrainConfig, use_cuda: bool) -> bool:
+    return cfg.dtype == "bf16" or (cfg.dtype == "auto" and use_cuda)
+
+
+def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
+    use_cuda = uses_cuda(cfg)
     if use_cuda:
         torch.cuda.set_device(info.local_rank)
         device, name = torch.device("cuda", info.local_rank), torch.cuda.get_device_name()
@@ -83,7 +94,7 @@ def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
         cores = len(os.sched_getaffinity(0))
         torch.set_num_threads(cfg.cpu_threads or max(1, cores // info.local_world_size))
         device, name = torch.device("cpu"), "cpu"
-    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and use_cuda)
+    bf16 = uses_bf16(cfg, use_cuda)
     peak = cfg.peak_tflops if cfg.peak_tflops is not None else peak_tflops(name, "bf16" if bf16 else "fp32")
     return Runtime(device=device, autocast_dtype=torch.bfloat16 if bf16 else None, peak_tflops=peak)
 
@@ -91,6 +102,24 @@ def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
 def max_memory_gib(rt: Runtime) -> float | None:
     """The most device memory this rank's tensors have held so far (None on CPU)."""
     return torch.cuda.max_memory_allocated(rt.device) / 2**30 if rt.device.type == "cuda" else None
+
+
+def fit_to_world(cfg: Config, info: DistInfo) -> Config:
+    """The config's layout fitted to the launched world: dp = world / (tp * pp) under
+    parallel.layout manual; under auto, the plan's fastest layout that fits this world's smallest
+    device, logged in one line by rank 0. Collective over the world (auto)."""
+    if cfg.parallel.layout == "auto":
+        use_cuda = uses_cuda(cfg.train)
+        if use_cuda:
+            torch.cuda.set_device(info.local_rank)  # the figures' all-reduce runs on it under NCCL
+        dev = rank_device_spec(use_cuda, uses_bf16(cfg.train, use_cuda), info.local_rank,
+                               info.local_world_size, cfg.train.cpu_threads)
+        device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+        dev, per_node = smallest_over_world(dev, info.local_world_size, device)
+        cfg, line = fit_layout(cfg, info.world_size, dev, per_node)
+        if info.rank == 0:
+            log.info(line)
+    return resolve_world(cfg, info.world_size)
 
 
 def warn_if_unfit(cfg: Config, rt: Runtime) -> None:
@@ -341,7 +370,7 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
     watcher = watch_signals(cfg, env)  # first: a signal during start-up must not kill the rank
     try:
         info = init_distributed(env)
-        cfg = resolve_world(cfg, info.world_size)
+        cfg = fit_to_world(cfg, info)
         faults = build_fault_hooks(env, info, run_path(cfg), checkpoint_root(cfg, run_path(cfg)))
         with start_heartbeat(cfg, env.supervisor, info.rank, info.node) as beat:
             rt = build_runtime(cfg.train, info)

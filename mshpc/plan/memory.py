@@ -160,31 +160,33 @@ def in_flight_layers(m: ModelConfig, layout: Layout, stage: int, schedule: str =
 
 
 def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, flash: bool = True,
-                           schedule: str = "1f1b") -> float:
+                           schedule: str = "1f1b", act_bytes: int = ACT_BYTES) -> float:
     s, b, h, t = m.seq_len, layout.micro_batch, m.d_model, layout.tp
-    per_layer = layer_activation_bytes(m, layout, flash)
+    per_layer = layer_activation_bytes(m, layout, flash, act_bytes=act_bytes)
     layers = in_flight_layers(m, layout, stage, schedule)
     if layout.checkpointing == "full":
         # each layer keeps its input; the one being recomputed holds all of its activations
         acts = layers * layer_input_bytes(m, layout) + layer_activation_bytes(
-            m, dataclasses.replace(layout, checkpointing="none"), flash)
+            m, dataclasses.replace(layout, checkpointing="none"), flash, act_bytes=act_bytes)
     else:
         acts = layers * per_layer
     if stage == layout.pp - 1:
-        # final norm input and the logits: bf16 out of the lm head, fp32 log-softmax for the loss
-        acts += (RESIDUAL_BYTES * s * b * h + 6 * s * b * m.vocab_size) / t
+        # final norm input and the logits: act_bytes out of the lm head, fp32 log-softmax for the loss
+        acts += (RESIDUAL_BYTES * s * b * h + (act_bytes + 4) * s * b * m.vocab_size) / t
     return acts
 
 
-def memory(m: ModelConfig, layout: Layout, flash: bool = True, schedule: str = "1f1b") -> Memory:
-    """Memory of the fullest stage (the first or the last) for `layout`."""
+def memory(m: ModelConfig, layout: Layout, flash: bool = True, schedule: str = "1f1b",
+           act_bytes: int = ACT_BYTES) -> Memory:
+    """Memory of the fullest stage (the first or the last) for `layout`; `act_bytes`: 2 under
+    bf16 autocast, 4 in fp32 (CPU ranks' default)."""
     best = None
     for stage in sorted({0, layout.pp - 1}):
         params = stage_params(m, layout, stage)
         candidate = Memory(
             weights=params * WEIGHT_BYTES, grads=params * GRAD_BYTES,
             optimizer=params * SHARDED_STATE_BYTES / layout.dp,
-            activations=stage_activation_bytes(m, layout, stage, flash, schedule), stage=stage,
+            activations=stage_activation_bytes(m, layout, stage, flash, schedule, act_bytes), stage=stage,
         )
         if best is None or candidate.total > best.total:
             best = candidate

@@ -32,7 +32,7 @@ class Prediction:
 
 
 def predict(cfg: Config, layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> Prediction:
-    mem = memory(cfg.model, layout, schedule=cfg.parallel.pp_schedule)
+    mem = memory(cfg.model, layout, schedule=cfg.parallel.pp_schedule, act_bytes=dev.act_bytes)
     return Prediction(layout, mem, step_time(cfg, layout, dev, gpus_per_node), mem.total <= dev.memory_gib * GIB)
 
 
