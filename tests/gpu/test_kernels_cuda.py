@@ -52,7 +52,7 @@ def test_mixed_dtypes(kind):
 @pytest.mark.parametrize("bias", [False, True])
 def test_bias_gelu(bias, dtype):
     check_bias_gelu(bias, dtype, device="cuda")
-    # more rows than partial-sum blocks (2 or 3 to a block: the 4-row batches' tail), and a
+    # more rows than partial-sum blocks (fewer than 4 to a block: the 4-row batches' tail), and a
     # width of whole 16-byte vectors in fp32 and fp64 only (2-byte types take the scalar path)
     check_bias_gelu(bias, dtype, device="cuda", shape=(700, 100))
 
