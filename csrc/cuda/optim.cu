@@ -28,6 +28,19 @@ template <int slot> __device__ __forceinline__ float* ptr(const int64_t* table, 
   return reinterpret_cast<float*>(table[4 * t + slot]);
 }
 
+// One element's AdamW step, in the lerp form torch uses for the first moment.
+struct AdamWStep {
+  float b1, b2, omb2, bc2_sqrt, eps, step, decay;
+  __device__ __forceinline__ void operator()(float& p, float g, float& m, float& v) const {
+    m = m + b1 * (g - m);
+    v = v * b2 + omb2 * g * g;
+    p = p * decay - step * (m / (sqrtf(v) / bc2_sqrt + eps));
+  }
+};
+
+// 16-byte accesses (four elements a thread a step) when the chunk's four tensors start 16-byte
+// aligned (a chunk's first element is a multiple of chunk_numel, so the tensors' bases decide;
+// the test is uniform over the block), then the chunk's last count % 4 elements one by one.
 __global__ void adamw_kernel(const int64_t* table, const float* step_and_decay, int64_t n,
                              int64_t chunk_numel, float b1, float b2, float omb2, float bc2_sqrt, float eps) {
   const Chunk k = find_chunk(table, n, blockIdx.x, chunk_numel);
@@ -35,14 +48,22 @@ __global__ void adamw_kernel(const int64_t* table, const float* step_and_decay, 
   const float* g = ptr<1>(table, k.tensor) + k.first;
   float* m = ptr<2>(table, k.tensor) + k.first;
   float* v = ptr<3>(table, k.tensor) + k.first;
-  const float step = step_and_decay[2 * k.tensor], decay = step_and_decay[2 * k.tensor + 1];
-  for (int64_t j = threadIdx.x; j < k.count; j += blockDim.x) {
-    float mj = m[j] + b1 * (g[j] - m[j]);
-    float vj = v[j] * b2 + omb2 * g[j] * g[j];
-    m[j] = mj;
-    v[j] = vj;
-    p[j] = p[j] * decay - step * (mj / (sqrtf(vj) / bc2_sqrt + eps));
+  const AdamWStep op{b1, b2, omb2, bc2_sqrt, eps, step_and_decay[2 * k.tensor], step_and_decay[2 * k.tensor + 1]};
+  const uintptr_t bases = reinterpret_cast<uintptr_t>(p) | reinterpret_cast<uintptr_t>(g) |
+                          reinterpret_cast<uintptr_t>(m) | reinterpret_cast<uintptr_t>(v);
+  const int64_t vectors = bases % 16 == 0 ? k.count / 4 : 0;
+  for (int64_t q = threadIdx.x; q < vectors; q += blockDim.x) {
+    float4 pq = reinterpret_cast<const float4*>(p)[q], gq = reinterpret_cast<const float4*>(g)[q];
+    float4 mq = reinterpret_cast<const float4*>(m)[q], vq = reinterpret_cast<const float4*>(v)[q];
+    op(pq.x, gq.x, mq.x, vq.x);
+    op(pq.y, gq.y, mq.y, vq.y);
+    op(pq.z, gq.z, mq.z, vq.z);
+    op(pq.w, gq.w, mq.w, vq.w);
+    reinterpret_cast<float4*>(m)[q] = mq;
+    reinterpret_cast<float4*>(v)[q] = vq;
+    reinterpret_cast<float4*>(p)[q] = pq;
   }
+  for (int64_t j = 4 * vectors + threadIdx.x; j < k.count; j += blockDim.x) op(p[j], g[j], m[j], v[j]);
 }
 
 __global__ void lamb_direction_kernel(const int64_t* table, const float* weight_decay, int64_t n,

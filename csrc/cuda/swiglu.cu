@@ -1,5 +1,9 @@
 // y = silu(gate) * up (Shazeer 2020, "GLU Variants Improve Transformer", eq. 5 with Swish_1 =
 // SiLU) from x = [gate | up] along each row, forward and backward.
+//
+// Memory-bound (a few flops per 2-byte element): rows walked by blockIdx.y and 16-byte column
+// groups by blockIdx.x, so every access is a coalesced 128-bit one and no thread divides an
+// index; rows whose width or base does not allow whole aligned vectors take V = 1.
 #include "dtype.cuh"
 
 namespace mshpc {
@@ -9,34 +13,52 @@ constexpr int kThreads = 256;
 
 template <class A> __device__ __forceinline__ A sigmoid(A g) { return A(1) / (A(1) + exp(-g)); }
 
-// Grid-stride over the (rows, cols) outputs: element e reads gate at row * 2 cols + col and up
-// cols further on.
-template <class T>
-__global__ void swiglu_fwd_kernel(const T* x, T* y, int64_t numel, int64_t cols) {
+// Row i: gate at x + i * 2 cols, up cols further on, y at i * cols; V columns per step.
+template <class T, int V>
+__global__ void swiglu_fwd_kernel(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int64_t cols) {
   using A = acc_t<T>;
-  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < numel; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t g_at = (e / cols) * 2 * cols + e % cols;
-    A g = to_acc(x[g_at]);
-    y[e] = from_acc<T>(g * sigmoid(g) * A(to_acc(x[g_at + cols])));
+  const int64_t groups = cols / V;  // cols % V == 0: the launcher's choice of V
+  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
+    const T* gate = x + i * 2 * cols;
+    for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < groups; c += int64_t(gridDim.x) * blockDim.x) {
+      A g[V], u[V], out[V];
+      load_vec<V>(gate + c * V, g);
+      load_vec<V>(gate + cols + c * V, u);
+#pragma unroll
+      for (int k = 0; k < V; ++k) out[k] = g[k] * sigmoid(g[k]) * u[k];
+      store_vec<V>(y + i * cols + c * V, out);
+    }
   }
 }
 
 // dgate = dy * up * silu'(gate), silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))); dup = dy * silu(gate).
-template <class T>
-__global__ void swiglu_bwd_kernel(const T* dy, const T* x, T* dx, int64_t numel, int64_t cols) {
+template <class T, int V>
+__global__ void swiglu_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx,
+                                  int64_t rows, int64_t cols) {
   using A = acc_t<T>;
-  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < numel; e += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t g_at = (e / cols) * 2 * cols + e % cols;
-    A g = to_acc(x[g_at]), u = to_acc(x[g_at + cols]), d = to_acc(dy[e]);
-    A s = sigmoid(g);
-    dx[g_at] = from_acc<T>(d * u * s * (A(1) + g * (A(1) - s)));
-    dx[g_at + cols] = from_acc<T>(d * g * s);
+  const int64_t groups = cols / V;
+  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
+    const int64_t g_at = i * 2 * cols;
+    for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < groups; c += int64_t(gridDim.x) * blockDim.x) {
+      A g[V], u[V], d[V], dg[V], du[V];
+      load_vec<V>(x + g_at + c * V, g);
+      load_vec<V>(x + g_at + cols + c * V, u);
+      load_vec<V>(dy + i * cols + c * V, d);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        A s = sigmoid(g[k]);
+        dg[k] = d[k] * u[k] * s * (A(1) + g[k] * (A(1) - s));
+        du[k] = d[k] * g[k] * s;
+      }
+      store_vec<V>(dx + g_at + c * V, dg);
+      store_vec<V>(dx + g_at + cols + c * V, du);
+    }
   }
 }
 
-int64_t grid(int64_t numel) {
-  const int64_t blocks = (numel + kThreads - 1) / kThreads;
-  return blocks < 65535 * 16 ? blocks : 65535 * 16;
+// Vectors when every row of each pointer starts 16-byte aligned; whole rows either way.
+bool vectorised(int64_t cols, int64_t vec, const void* a, const void* b, const void* c = nullptr) {
+  return vec_aligned(a, cols, vec) && vec_aligned(b, cols, vec) && (c == nullptr || vec_aligned(c, cols, vec));
 }
 
 }  // namespace
@@ -45,13 +67,19 @@ int64_t grid(int64_t numel) {
 extern "C" const char* mshpc_swiglu_fwd_cuda(const void* x, void* y, int dtype, int64_t rows, int64_t cols,
                                               void* stream) {
   using namespace mshpc;
-  const int64_t numel = rows * cols;
-  if (numel == 0) return nullptr;
+  if (rows * cols == 0) return nullptr;
   const char* err = "swiglu: unsupported dtype";
   visit_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    swiglu_fwd_kernel<T><<<unsigned(grid(numel)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(x), static_cast<T*>(y), numel, cols);
+    constexpr int V = kVec<T>;
+    const auto st = static_cast<cudaStream_t>(stream);
+    if (vectorised(cols, V, x, y)) {
+      swiglu_fwd_kernel<T, V><<<row_grid(rows, cols / V, kThreads), kThreads, 0, st>>>(
+          static_cast<const T*>(x), static_cast<T*>(y), rows, cols);
+    } else {
+      swiglu_fwd_kernel<T, 1><<<row_grid(rows, cols, kThreads), kThreads, 0, st>>>(
+          static_cast<const T*>(x), static_cast<T*>(y), rows, cols);
+    }
     err = launch_error();
   });
   return err;
@@ -60,13 +88,19 @@ extern "C" const char* mshpc_swiglu_fwd_cuda(const void* x, void* y, int dtype, 
 extern "C" const char* mshpc_swiglu_bwd_cuda(const void* dy, const void* x, void* dx, int dtype, int64_t rows,
                                               int64_t cols, void* stream) {
   using namespace mshpc;
-  const int64_t numel = rows * cols;
-  if (numel == 0) return nullptr;
+  if (rows * cols == 0) return nullptr;
   const char* err = "swiglu backward: unsupported dtype";
   visit_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    swiglu_bwd_kernel<T><<<unsigned(grid(numel)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), numel, cols);
+    constexpr int V = kVec<T>;
+    const auto st = static_cast<cudaStream_t>(stream);
+    if (vectorised(cols, V, dy, x, dx)) {
+      swiglu_bwd_kernel<T, V><<<row_grid(rows, cols / V, kThreads), kThreads, 0, st>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), rows, cols);
+    } else {
+      swiglu_bwd_kernel<T, 1><<<row_grid(rows, cols, kThreads), kThreads, 0, st>>>(
+          static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<T*>(dx), rows, cols);
+    }
     err = launch_error();
   });
   return err;

@@ -38,6 +38,8 @@ def test_add_norm(kind, residual, dtype):
     check_norm(kind, residual, dtype, device="cuda")
     # rows wider than a block (4100 > 256 threads x 16) and more rows than partial-sum blocks
     check_norm(kind, residual, dtype, device="cuda", d=4100, rows=700)
+    # a width of whole 16-byte vectors in fp32 and fp64 but not in 2-byte types: registers at V = 1
+    check_norm(kind, residual, dtype, device="cuda", d=100, rows=300)
 
 
 @pytest.mark.parametrize("kind", list(NORMS))
@@ -50,11 +52,16 @@ def test_mixed_dtypes(kind):
 @pytest.mark.parametrize("bias", [False, True])
 def test_bias_gelu(bias, dtype):
     check_bias_gelu(bias, dtype, device="cuda")
+    # more rows than partial-sum blocks (fewer than 4 to a block: the 4-row batches' tail), and a
+    # width of whole 16-byte vectors in fp32 and fp64 only (2-byte types take the scalar path)
+    check_bias_gelu(bias, dtype, device="cuda", shape=(700, 100))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope(dtype):
     check_rope(dtype, device="cuda")
+    # half a head (6) that is whole 16-byte vectors in fp64 only: the others rotate pair by pair
+    check_rope(dtype, device="cuda", head_dim=12)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
