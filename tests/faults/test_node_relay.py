@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from support.waiting import children, wait_until
 
 from mshpc.launch.monitor import Monitor
 
@@ -30,27 +30,6 @@ with Heartbeat(link, {{"rank": rank, "host": node, "coords": "(dp=0, tp=0, pp=0)
     beat.phase("step", 0)
     time.sleep(60)
 """
-
-
-def wait_until(condition, within_s: float) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < within_s, f"not within {within_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (node0's relay, started by rank 0)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def node_connections(monitor: Monitor) -> int:

@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+from support.waiting import wait_until
 
 from mshpc.launch.monitor import BEAT_ENTRY, NODE_PROTOCOL, Monitor
 from mshpc.launch.monitor import beat_entry as entry_ok
@@ -17,13 +18,6 @@ BEAT = {"type": "beat", "phase": "step", "step": 3, "phase_s": 0.0, "medians": {
 
 def hello(rank: int, token: str = "tok") -> bytes:
     return line(rank_envelope(rank, {"type": "hello", "token": token, "rank": rank, "host": "n", "pid": None}))
-
-
-def wait_until(condition, within_s: float = 10) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < within_s, f"not within {within_s} s"
-        time.sleep(0.01)
 
 
 @pytest.fixture

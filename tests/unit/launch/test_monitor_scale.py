@@ -10,6 +10,8 @@ import threading
 import time
 from pathlib import Path
 
+from support.waiting import wait_until
+
 from mshpc.launch.monitor import Monitor
 
 SIM_PEERS = Path(__file__).resolve().parents[3] / "benchmarks" / "scale" / "sim_peers.py"
@@ -48,15 +50,6 @@ def simulated_ranks(monitor: Monitor, silent: frozenset[int]):
     finally:
         holder["loop"].call_soon_threadsafe(holder["stop"].set)
         thread.join(30)
-
-
-def wait_until(condition, within_s: float) -> float:
-    """Seconds until `condition()` held; fails the test past `within_s`."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < within_s, f"not within {within_s} s"
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 def test_every_rank_registers_within_10_s_when_all_connect_at_once():
