@@ -318,6 +318,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                 ckpt.close()
                 watcher.stop(stop, info.rank, cfg)  # rank 0 requeues if asked; raises JobStopped
         ckpt.close()
+        diag.close(final_step=cfg.train.steps)  # the last straggler look sees every rank's last step
     finally:
         diag.close()
         loader.close()

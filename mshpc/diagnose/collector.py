@@ -19,6 +19,11 @@ from mshpc.mesh_shape import MeshShape
 
 log = logging.getLogger(__name__)
 
+# How long rank 0's last straggler look waits for the other ranks' final records at a normal end:
+# they close within moments of rank 0 (every step ends in a collective), unless one is stuck in
+# its own close (a slow disk), which must not hold the run's exit for long.
+FINAL_WAIT_S = 10.0
+
 
 class Collector:
     """Built by `build_collector`; every rank calls begin_step / end_step around each step and
@@ -50,13 +55,18 @@ class Collector:
                          best_mfu=decline.best_tflops / peak if peak else None)
         return tflops
 
-    def close(self) -> None:
-        """Write what is queued; rank 0 then looks once more for stragglers."""
+    def close(self, final_step: int | None = None) -> None:
+        """Write what is queued; rank 0 then looks once more for stragglers. `final_step`: the
+        run ended normally there, so every rank is closing too and rank 0 waits (boundedly) for
+        their last records; after a failure it looks at what is there and does not wait."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
         if self.straggler_watch is not None:
-            self.straggler_watch.poll()
+            if final_step is None:
+                self.straggler_watch.poll()
+            else:
+                self.straggler_watch.poll_until(final_step, FINAL_WAIT_S)
             self.straggler_watch.close()
             self.straggler_watch = None
 

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 BLAMED = ("compute", "data wait")  # the categories that are a rank's own work
 RANK_CHUNK = 512  # ranks per slice of a rolling median over a whole run
+FINAL_POLL_S = 0.05  # how often the end-of-run look re-reads the streams while it waits
 
 
 def median_of_others(seconds: np.ndarray) -> np.ndarray:
@@ -232,6 +234,17 @@ class StragglerWatch:
             log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
                         s.rank, s.host, s.dp, s.tp, s.pp, s.category, s.relative_score, s.since_step)
             append_event(self.run_dir, "straggler", evict_candidate=True, **s.__dict__)
+        return flagged
+
+    def poll_until(self, step: int, timeout_s: float) -> list[Straggler]:
+        """At the end of a run: poll until every rank's stream reaches `step` (the other ranks
+        flush theirs as they close, moments apart from rank 0) or `timeout_s` passes, so that the
+        last look judges the run's last steps instead of whatever the flush interval let through."""
+        deadline = time.monotonic() + timeout_s
+        flagged = self.poll()
+        while self._next_step <= step and time.monotonic() < deadline:  # not every rank's `step` yet
+            time.sleep(FINAL_POLL_S)
+            flagged += self.poll()
         return flagged
 
     def _feed(self, frontier: int) -> list[Straggler]:

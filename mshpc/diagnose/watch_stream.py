@@ -84,6 +84,7 @@ class StreamReader:
             chunk = self._read(rank)
             if self.heads[rank] is None:  # a header not written whole yet: wait for the rest
                 self._partial[rank] = chunk
+                counts.append(0)
                 continue
             whole = len(chunk) - len(chunk) % RECORD.itemsize
             self._partial[rank] = chunk[whole:]

@@ -14,7 +14,10 @@ SLOW_RANK = 2
 def test_diagnose_names_the_rank_slowed_by_injection(tmp_path, corpus_cache):
     # from step 10 on, rank 2's forwards take 4x as long: its compute is ~2x the others'
     faults = {"MSHPC_TEST_FAULTS": f"slow:rank={SLOW_RANK}:step=10:factor=4"}
-    out = mshpc(*train_args(tmp_path, corpus_cache, "train.steps=40", "run.progress=none", name="slow"),
+    # a flush interval longer than the run: the other ranks' records reach their streams only as
+    # they close, so the live verdict rests on rank 0's end-of-run look waiting for them (the
+    # race that made this test fail under load when the interval happened to fall just so)
+    out = mshpc(*train_args(tmp_path, corpus_cache, "train.steps=40", "run.progress=none", "diagnose.flush_interval_s=30", name="slow"),
                 "--nproc", "4", env=faults)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "slow"

@@ -1,6 +1,9 @@
 """The straggler detector on synthetic timings, fed through the same file format and arrays the
 real runs use."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -99,3 +102,43 @@ def test_live_watch_reads_growing_files_and_writes_one_event(tmp_path):
     assert events[0]["phase"] in ("forward", "backward", "optimizer")  # read from its JSON line
     assert [(e["rank"], e["evict_candidate"]) for e in events] == [(3, True)]
     assert 20 <= events[0]["since_step"] < 40
+
+
+def _append(tmp_path, steps, r, lo, hi):
+    lines, recs = zip(*steps[r][lo:hi], strict=True)
+    with rank_file(tmp_path, r).open("ab") as f:
+        f.write(b"".join(lines))
+    with stream_file(tmp_path, r).open("ab") as f:
+        f.write(b"".join(recs))
+
+
+def test_end_of_run_look_waits_for_the_ranks_still_closing(tmp_path):
+    # the slow rank's last 60 steps reach its stream only as it closes, after rank 0's last look
+    # began (a long flush interval): that look must wait for them, not judge 40 steps and stop
+    records = synthetic(100, 4, slow_rank=3, slow_from=50, factor=1.5)
+    watch = StragglerWatch(tmp_path, MESH.world_size, DiagnoseConfig(), start_step=0)
+    steps = watch_lines(tmp_path, records)
+    for r in range(MESH.world_size):
+        _append(tmp_path, steps, r, 0, 40 if r == 3 else 100)
+    closing = threading.Timer(0.3, _append, (tmp_path, steps, 3, 40, 100))
+    closing.start()
+    flagged = watch.poll_until(100, timeout_s=30)
+    closing.join()
+    assert [s.rank for s in flagged] == [3] and flagged[0].since_step >= 50
+    watch.close()
+
+
+def test_end_of_run_look_gives_up_on_a_rank_that_never_closes(tmp_path):
+    records = synthetic(40, 4)
+    watch = StragglerWatch(tmp_path, MESH.world_size, DiagnoseConfig(), start_step=0)
+    steps = watch_lines(tmp_path, records)
+    for r in range(MESH.world_size):
+        _append(tmp_path, steps, r, 0, 30 if r == 1 else 40)
+    start = time.monotonic()
+    assert watch.poll_until(40, timeout_s=0.5) == []
+    assert 0.5 <= time.monotonic() - start < 5
+    # a run that trained no step (resumed at its last) has nothing to wait for
+    start = time.monotonic()
+    assert StragglerWatch(tmp_path / "none", MESH.world_size, DiagnoseConfig(), start_step=40).poll_until(40, 30) == []
+    assert time.monotonic() - start < 5
+    watch.close()
