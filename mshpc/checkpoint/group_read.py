@@ -7,7 +7,8 @@ optimizer moments) is needed by its owner only, so the owner reads it and nothin
 tensor every rank needs (`optim.step`) is read by one rank and broadcast; a rank's RNG state is
 read by that rank. After a change of dp, a saved shard that several new ranks' ranges cross is
 read by one of them and broadcast to the group. The manifest is read by rank 0 and broadcast
-(restore.py); the HDF5 headers are read by nobody, since the manifest records where each
+(restore.py), or, with its index, each rank parses only the entries its group needs
+(catalog.py); the HDF5 headers are read by nobody, since the manifest records where each
 dataset's bytes lie. So no byte is read by two ranks of a dp group.
 """
 
@@ -36,7 +37,9 @@ class Assignment:
 def plan_reads(reader: CheckpointReader, needs: list[list[Request]]) -> list[Assignment]:
     """Who reads what: every entry some rank needs goes to one of the ranks needing it, largest
     entries first to the one with the fewest bytes so far, so the group's reads are spread.
-    A pure function of the manifest and `needs`: every rank computes the same plan."""
+    A pure function of the manifest and `needs`: every rank computes the same plan. It parses
+    the entries of the names in `needs` only (catalog.py), in one pass."""
+    reader.prefetch({name for requests in needs for name, _, _ in requests})
     index = EntryIndex(reader)
     needers: dict[TensorEntry, list[int]] = {}
     for rank, requests in enumerate(needs):
@@ -88,10 +91,10 @@ def load_for_group(reader: CheckpointReader, requests: list[Request], group: dis
     including a corrupt entry, raises the same CheckpointError on every rank."""
     shared = comm.all_gather_json({"requests": requests, "error": error}, group=group)
     _raise_first([s["error"] for s in shared])
-    plan = plan_reads(reader, [[(n, s, c) for n, s, c in s["requests"]] for s in shared])
     me = dist.get_rank(group)
-    error = None
-    try:
+    plan: list[Assignment] = []
+    try:  # the plan parses entries (a bad manifest line fails here) and the reads verify them
+        plan = plan_reads(reader, [[(n, s, c) for n, s, c in s["requests"]] for s in shared])
         reader.load([a.entry for a in plan if a.reader == me])
     except CheckpointError as exc:
         error = str(exc)

@@ -12,6 +12,17 @@ A tensor is a list of entries whose flat ranges [start, start + numel) tile it. 
 the dataset's contiguous bytes start in its shard file (what HDF5's own metadata says too), so a
 restore reads them with large parallel reads and no rank needs to parse another's HDF5 headers;
 manifests written before it existed lack it, and the reader asks h5py instead.
+
+Beside it, written just before it, `manifest.index.json` says where each tensor's entry lines
+lie in the manifest, so a restoring rank parses only the entries its dp group holds (catalog.py):
+
+    {"format": "mshpc-checkpoint-index", "version": 1, "manifest_bytes": 427772162,
+     "head_bytes": 310, "names": {"master/layers.0.attn.wq.weight@tp0": [[8192, 1450, 6]], ...}}
+
+Each name maps to runs of its consecutive lines, [byte offset, bytes, entries] (one run when the
+entries are grouped by name, as the saver writes them); `head_bytes` is the length of the
+manifest's leading object up to its tensor list. Both files are ASCII (`json.dumps` escapes the
+rest), so characters and bytes count alike.
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ from mshpc.errors import CheckpointError
 FORMAT = "mshpc-checkpoint"
 VERSION = 1
 MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "manifest.index.json"
+INDEX_FORMAT = "mshpc-checkpoint-index"
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,17 @@ class TensorEntry:
 
 
 @dataclass(frozen=True)
+class ManifestHead:
+    """A manifest less its tensors: what a restore needs before any entry."""
+
+    step: int
+    config_hash: str
+    layout: dict[str, int]
+    extras: dict[str, Any] = field(default_factory=dict)
+    created_unix: float = 0.0
+
+
+@dataclass(frozen=True)
 class Manifest:
     step: int
     config_hash: str
@@ -59,50 +83,92 @@ class Manifest:
     created_unix: float = 0.0
 
     def by_name(self) -> dict[str, list[TensorEntry]]:
-        out: dict[str, list[TensorEntry]] = {}
-        for entry in self.tensors:
-            out.setdefault(entry.name, []).append(entry)
-        return out
+        return group_by_name(self.tensors)
+
+    def head(self) -> ManifestHead:
+        return ManifestHead(self.step, self.config_hash, self.layout, self.extras, self.created_unix)
+
+
+def group_by_name(entries: tuple[TensorEntry, ...] | list[TensorEntry]) -> dict[str, list[TensorEntry]]:
+    """Each name's entries, in the order given; names in order of first appearance."""
+    out: dict[str, list[TensorEntry]] = {}
+    for entry in entries:
+        out.setdefault(entry.name, []).append(entry)
+    return out
 
 
 def to_json(m: Manifest) -> str:
-    """One line per tensor entry: readable with grep and head, and about 8x faster to write at
-    12,288 ranks (millions of entries) than `asdict` and `indent`, which copy and indent every
-    field (benchmarks/scale/checkpoint_scale.py)."""
-    head = {"format": FORMAT, "version": VERSION, "step": m.step, "config_hash": m.config_hash,
-            "layout": m.layout, "created_unix": m.created_unix, "extras": m.extras}
+    return render(m)[0]
+
+
+def render(m: Manifest) -> tuple[str, dict[str, Any]]:
+    """The manifest's text and its index. One line per tensor entry: readable with grep and head,
+    and about 8x faster to write at 12,288 ranks (millions of entries) than `asdict` and
+    `indent`, which copy and indent every field (benchmarks/scale/checkpoint_scale.py)."""
+    head = json.dumps({"format": FORMAT, "version": VERSION, "step": m.step, "config_hash": m.config_hash,
+                       "layout": m.layout, "created_unix": m.created_unix, "extras": m.extras})
+    prefix = head[:-1] + ', "tensors": [\n'
     fields = [f.name for f in dataclasses.fields(TensorEntry)]
-    entries = ",\n".join(json.dumps(dict(zip(fields, astuple_shallow(e), strict=True)), separators=(",", ":"))
-                          for e in m.tensors)
-    return json.dumps(head)[:-1] + ', "tensors": [\n' + entries + "\n]}\n"
+    lines = [json.dumps(dict(zip(fields, astuple_shallow(e), strict=True)), separators=(",", ":"))
+             for e in m.tensors]
+    text = prefix + ",\n".join(lines) + "\n]}\n"
+    index = {"format": INDEX_FORMAT, "version": VERSION, "manifest_bytes": len(text), "head_bytes": len(head) - 1,
+             "names": _runs(m.tensors, lines, len(prefix))}
+    return text, index
+
+
+def _runs(entries: tuple[TensorEntry, ...], lines: list[str], offset: int) -> dict[str, list[list[int]]]:
+    """Each name's runs of consecutive entry lines as [byte offset, bytes, entries]; lines are
+    joined by a comma and a newline, which a run's bytes leave out."""
+    out: dict[str, list[list[int]]] = {}
+    previous = None
+    for e, line in zip(entries, lines, strict=True):
+        if e.name == previous:
+            run = out[e.name][-1]
+            run[1] += 2 + len(line)
+            run[2] += 1
+        else:
+            out.setdefault(e.name, []).append([offset, len(line), 1])
+        previous = e.name
+        offset += len(line) + 2
+    return out
 
 
 def astuple_shallow(e: TensorEntry) -> tuple[Any, ...]:
     return (e.name, e.global_shape, e.dtype, e.file, e.dataset, e.start, e.numel, e.crc32, e.offset)
 
 
-def write_manifest(folder: Path, m: Manifest) -> None:
-    """Write and fsync the manifest: the last file of a checkpoint, so its presence means complete."""
-    path = folder / MANIFEST_FILE
+def _write_synced(path: Path, text: str) -> None:
     with open(path, "w") as f:
-        f.write(to_json(m))
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def write_manifest(folder: Path, m: Manifest) -> None:
+    """Write and fsync the index, then the manifest: the last file of a checkpoint, so its
+    presence means complete."""
+    text, index = render(m)
+    _write_synced(folder / INDEX_FILE, json.dumps(index, separators=(",", ":")))
+    _write_synced(folder / MANIFEST_FILE, text)
 
 
 def replace_manifest(folder: Path, m: Manifest) -> None:
     """Replace a committed checkpoint's manifest atomically (a new file renamed over the old),
-    so a crash leaves the old manifest or the new one, never half of one."""
-    tmp = folder / f".{MANIFEST_FILE}.tmp"
-    with open(tmp, "w") as f:
-        f.write(to_json(m))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST_FILE)
-    fsync_dir(folder)  # the rename itself
+    so a crash leaves the old manifest or the new one, never half of one. The old index goes
+    first: a crash before the new one is in place leaves a manifest without an index (read
+    whole), never an index pointing into the wrong bytes."""
+    text, index = render(m)
+    (folder / INDEX_FILE).unlink(missing_ok=True)
+    fsync_dir(folder)
+    for name, content in ((MANIFEST_FILE, text), (INDEX_FILE, json.dumps(index, separators=(",", ":")))):
+        tmp = folder / f".{name}.tmp"
+        _write_synced(tmp, content)
+        os.replace(tmp, folder / name)
+        fsync_dir(folder)  # the rename itself
 
 
-def _entry(raw: dict[str, Any]) -> TensorEntry:
+def entry_from_json(raw: dict[str, Any]) -> TensorEntry:
     return TensorEntry(
         name=str(raw["name"]), global_shape=tuple(int(d) for d in raw["global_shape"]),
         dtype=str(raw["dtype"]), file=str(raw["file"]), dataset=str(raw["dataset"]),
@@ -129,28 +195,41 @@ def read_manifest_text(folder: Path) -> str:
 def parse_manifest(folder: Path, text: str) -> Manifest:
     """The manifest of `folder` from its text (read here or by another rank)."""
     path = folder / MANIFEST_FILE
+    raw = parse_head_json(path, text)
+    head = head_from_json(path, raw)
+    try:
+        tensors = tuple(entry_from_json(t) for t in raw["tensors"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+    m = Manifest(step=head.step, config_hash=head.config_hash, layout=head.layout, tensors=tensors,
+                 extras=head.extras, created_unix=head.created_unix)
+    check_tiling(m.by_name(), path)
+    return m
+
+
+def parse_head_json(path: Path, text: str) -> dict[str, Any]:
+    """The manifest's JSON object (or its head alone), checked for format and version."""
     try:
         raw = json.loads(text)
     except ValueError as exc:
         raise CheckpointError(f"{path}: unreadable ({exc})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
         raise CheckpointError(f"{path}: not an {FORMAT} v{VERSION} manifest")
+    return raw
+
+
+def head_from_json(path: Path, raw: dict[str, Any]) -> ManifestHead:
     try:
-        m = Manifest(
-            step=int(raw["step"]), config_hash=str(raw["config_hash"]),
-            layout={k: int(v) for k, v in raw["layout"].items()},
-            tensors=tuple(_entry(t) for t in raw["tensors"]), extras=dict(raw.get("extras", {})),
-            created_unix=float(raw.get("created_unix", 0.0)),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
+        return ManifestHead(step=int(raw["step"]), config_hash=str(raw["config_hash"]),
+                            layout={k: int(v) for k, v in raw["layout"].items()},
+                            extras=dict(raw.get("extras", {})), created_unix=float(raw.get("created_unix", 0.0)))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
-    check_tiling(m, path)
-    return m
 
 
-def check_tiling(m: Manifest, path: Path) -> None:
+def check_tiling(by_name: dict[str, list[TensorEntry]], path: Path) -> None:
     """Every tensor's slices must cover it exactly once, or a restore would read holes."""
-    for name, entries in m.by_name().items():
+    for name, entries in by_name.items():
         total = math.prod(entries[0].global_shape)
         covered = 0
         for e in sorted(entries, key=lambda e: e.start):

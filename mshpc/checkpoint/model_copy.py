@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mshpc.checkpoint.catalog import Catalog
 from mshpc.checkpoint.h5_shard import rewrite_data, to_numpy, torch_dtype
 from mshpc.checkpoint.manifest import Manifest, TensorEntry, read_manifest, replace_manifest
 from mshpc.checkpoint.reader import CheckpointReader
@@ -134,17 +135,30 @@ def fix_checksums(folder: Path, m: Manifest, repairs: list[Repair]) -> str | Non
     return None
 
 
-def repair_on_resume(folder: Path, m: Manifest, group: dist.ProcessGroup) -> tuple[list[Repair], str | None]:
+def repair_on_resume(folder: Path, catalog: Catalog, group: dist.ProcessGroup) -> tuple[list[Repair], str | None]:
     """Collective over `group` (a gloo group of all ranks): each rank checks its share of the
     model/ entries of the checkpoint `folder` and rebuilds the bad ones from the masters; the
-    group's first rank then fixes the manifest's checksums. Returns every rank's repairs, and on
-    the first rank why fixing the manifest failed (None if it did not)."""
-    reader = CheckpointReader(folder, m)
+    group's first rank then fixes the manifest's checksums (reading it whole: a rare path).
+    Returns every rank's repairs, and on the first rank why fixing the manifest failed (None if
+    it did not)."""
+    reader = CheckpointReader(folder, catalog)
+    error = None
     try:
-        repairs = repair(reader, _share(model_entries(m), dist.get_rank(group), dist.get_world_size(group)))
+        names = reader.names(MODEL)
+        reader.prefetch(set(names))  # the model/ entries alone, whatever the world's size
+        entries = [e for n in names for e in catalog.entries(n)]
+        repairs = repair(reader, _share(entries, dist.get_rank(group), dist.get_world_size(group)))
+    except CheckpointError as exc:  # a model/ entry's manifest line is bad: no copy to check
+        repairs, error = [], str(exc)
     finally:
         reader.close()
     everyone = [Repair(**r) for rank in comm.all_gather_json([dataclasses.asdict(r) for r in repairs], group=group)
                 for r in rank]
-    manifest_error = fix_checksums(folder, m, everyone) if everyone and dist.get_rank(group) == 0 else None
-    return everyone, manifest_error
+    if dist.get_rank(group) != 0:
+        return everyone, None
+    if everyone:
+        try:
+            error = fix_checksums(folder, read_manifest(folder), everyone) or error
+        except CheckpointError as exc:
+            error = str(exc)
+    return everyone, error

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from mshpc.checkpoint.catalog import Catalog
 from mshpc.checkpoint.h5_shard import check_datasets, from_bytes, torch_dtype
 from mshpc.checkpoint.manifest import Manifest, TensorEntry
 from mshpc.checkpoint.shard_read import ReadStats, ShardFiles, entry_nbytes, read_entries
@@ -20,32 +21,41 @@ VERIFY_BATCH_BYTES = 2**30  # what `verify_all` holds in memory at once
 
 
 class CheckpointReader:
-    """A `SliceReader` over one checkpoint folder. Entries are read and verified in batches
+    """A `SliceReader` over one checkpoint folder, given its whole manifest or its catalog (whose
+    entries are parsed as names are asked for). Entries are read and verified in batches
     (`load`) or on first use, once each; `stats` counts what this reader took from the files."""
 
-    def __init__(self, folder: Path, manifest: Manifest) -> None:
+    def __init__(self, folder: Path, manifest: Manifest | Catalog) -> None:
         self.folder = folder
-        self.manifest = manifest
+        self.catalog = manifest if isinstance(manifest, Catalog) else Catalog.whole(folder, manifest)
         self.stats = ReadStats()
         self.bytes_received = 0  # entries handed over by `put` (another rank read them)
-        self._entries = manifest.by_name()
         self._files = ShardFiles(folder)
         self._cache: dict[TensorEntry, torch.Tensor] = {}
 
+    @property
+    def manifest(self) -> Manifest:
+        """The whole manifest (with an index: every entry parsed now; for tools, not restores)."""
+        return self.catalog.manifest()
+
     def names(self, prefix: str = "") -> list[str]:
-        return sorted(n for n in self._entries if n.startswith(prefix))
+        return [n for n in self.catalog.names() if n.startswith(prefix)]
+
+    def prefetch(self, names: set[str]) -> None:
+        """Parse the entries of those of `names` the checkpoint has, in one pass (catalog.py)."""
+        self.catalog.load(names)
 
     def global_shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[self._require(name)][0].global_shape
+        return self.catalog.entries(self._require(name))[0].global_shape
 
     def dtype(self, name: str) -> torch.dtype:
-        return torch_dtype(self._entries[self._require(name)][0].dtype)
+        return torch_dtype(self.catalog.entries(self._require(name))[0].dtype)
 
     def whole(self, name: str) -> Request:
         return (name, 0, math.prod(self.global_shape(name)))
 
     def _require(self, name: str) -> str:
-        if name not in self._entries:
+        if name not in self.catalog:
             raise CheckpointError(f"{self.folder}: has no tensor {name!r} (does it fit this model?)")
         return name
 
@@ -53,7 +63,7 @@ class CheckpointReader:
         """The entries holding any element of `requests`, each once, in file order."""
         found: set[TensorEntry] = set()
         for name, start, numel in requests:
-            found.update(e for e in self._entries[self._require(name)] if e.start < start + numel and start < e.stop)
+            found.update(e for e in self.catalog.entries(self._require(name)) if e.start < start + numel and start < e.stop)
         return sorted(found, key=lambda e: (e.file, e.offset or 0, e.dataset))
 
     def load(self, entries: list[TensorEntry]) -> None:

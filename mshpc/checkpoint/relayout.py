@@ -58,14 +58,14 @@ class Relayout:
               tied: frozenset[str]) -> Relayout:
         """`current`: how this run's model is cut (empty at tp=1); the checkpoint's own rule
         wins where it wrote at tp > 1. `tied`: this stage's copy of the tied embedding, if any."""
-        old_tp = reader.manifest.layout.get("tp", 1)
+        old_tp = reader.catalog.head.layout.get("tp", 1)
         partner = {TIED[0]: TIED[1], TIED[1]: TIED[0]}
         aliases = {n: partner[n] for n in tied if not reader.names(f"master/{n}")}
         if old_tp == new_tp:
             return Relayout(old_tp, new_tp, new_rank, aliases=aliases)
         if old_tp == 1:
             return Relayout(old_tp, new_tp, new_rank, dict(current), aliases)
-        raw = reader.manifest.extras.get(SPLITS_KEY)
+        raw = reader.catalog.head.extras.get(SPLITS_KEY)
         if raw is None:
             raise CheckpointError(f"{reader.folder} was written at parallel.tp={old_tp} without its tp split "
                                   f"rules (an older mshpc); resume it at parallel.tp={old_tp}")

@@ -1,6 +1,8 @@
 """Resume: pick the newest checkpoint that verifies, falling back to older ones, with every
-rank agreeing on which one (a rank that found corruption tells the others). Rank 0 alone reads
-each manifest and broadcasts it; the shards are read as group_read.py describes."""
+rank agreeing on which one (a rank that found corruption tells the others). With the manifest's
+index every rank reads the index and then only the entries its dp group needs (catalog.py);
+without one (an older checkpoint) rank 0 alone reads the manifest and broadcasts it. The shards
+are read as group_read.py describes."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mshpc.checkpoint.manifest import Manifest, parse_manifest, read_manifest_text
+from mshpc.checkpoint.catalog import Catalog, open_catalog
+from mshpc.checkpoint.manifest import INDEX_FILE, parse_manifest, read_manifest_text
 from mshpc.checkpoint.paths import committed_steps, latest_step, step_dir
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.errors import CheckpointError
@@ -34,51 +37,67 @@ def candidates(root: Path) -> list[Path]:
     return [step_dir(root, s) for s in steps]
 
 
-def _shared_manifest(folder: Path, group: dist.ProcessGroup) -> Manifest:
-    """Collective over `group`: the manifest of `folder`, read from the file system by the
-    group's first rank only."""
-    text, error = None, None
+def _shared_catalog(folder: Path, group: dist.ProcessGroup) -> Catalog:
+    """Collective over `group`: the catalog of `folder`. The group's first rank says whether the
+    checkpoint has an index; if so each rank reads the index itself (a few MB at 12,288 ranks,
+    where a broadcast of the 428 MB manifest from one rank would cost more than any parse), and
+    every rank learns of any rank's failure; if not, that first rank reads the manifest and
+    broadcasts it, as mshpc always did."""
+    text, error, indexed = None, None, False
     if dist.get_rank(group) == 0:
+        indexed = (folder / INDEX_FILE).is_file()
         try:
-            text = read_manifest_text(folder)
+            text = None if indexed else read_manifest_text(folder)
         except CheckpointError as exc:
             error = str(exc)
-    got = comm.broadcast_json({"text": text, "error": error}, src=dist.get_global_rank(group, 0), group=group)
+    got = comm.broadcast_json({"text": text, "error": error, "indexed": indexed},
+                              src=dist.get_global_rank(group, 0), group=group)
     if got["error"]:
         raise CheckpointError(got["error"])
-    return parse_manifest(folder, got["text"])
+    if not got["indexed"]:
+        return Catalog.whole(folder, parse_manifest(folder, got["text"]), bytes_parsed=len(got["text"]))
+    catalog, error = None, None
+    try:
+        catalog = open_catalog(folder)
+    except CheckpointError as exc:
+        error = str(exc)
+    failed = [e for e in comm.all_gather_json(error, group=group) if e]
+    if failed:
+        raise CheckpointError(failed[0])
+    assert catalog is not None
+    return catalog
 
 
 def _try(folder: Path, stage: Stage, group: dist.ProcessGroup
-         ) -> tuple[Manifest | None, CheckpointReader | None, Callable[[], None] | None, str | None]:
+         ) -> tuple[Catalog | None, CheckpointReader | None, Callable[[], None] | None, str | None]:
     reader = None
     try:
-        manifest = _shared_manifest(folder, group)
-        reader = CheckpointReader(folder, manifest)
-        return manifest, reader, stage(reader), None
+        catalog = _shared_catalog(folder, group)
+        reader = CheckpointReader(folder, catalog)
+        return catalog, reader, stage(reader), None
     except CheckpointError as exc:
         if reader is not None:
             reader.close()
         return None, None, None, str(exc)
 
 
-def resume_from(folders: list[Path], stage: Stage, group: dist.ProcessGroup) -> tuple[Path, Manifest] | None:
-    """Collective over `group` (a gloo group of all ranks). Returns the folder and manifest of
+def resume_from(folders: list[Path], stage: Stage, group: dist.ProcessGroup) -> tuple[Path, Catalog] | None:
+    """Collective over `group` (a gloo group of all ranks). Returns the folder and catalog of
     the checkpoint installed, None when there is none, and raises if every one is unusable."""
     folders = [Path(p) for p in comm.all_gather_json([str(f) for f in folders], group=group)[0]]
     problems = []
     for folder in folders:
-        manifest, reader, install, error = _try(folder, stage, group)
+        catalog, reader, install, error = _try(folder, stage, group)
         errors = [e for e in comm.all_gather_json(error, group=group) if e]
         if errors:
             if dist.get_rank(group) == 0:  # one voice for the whole job
                     log.warning("checkpoint %s is unusable, trying an older one: %s", folder, errors[0])
             problems.append(errors[0])
             continue
-        assert manifest is not None and reader is not None and install is not None
+        assert catalog is not None and reader is not None and install is not None
         install()
         reader.close()
-        return folder, manifest
+        return folder, catalog
     if problems:
         raise CheckpointError(f"no usable checkpoint among {len(folders)}; newest problem: {problems[0]}")
     return None

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mshpc.checkpoint.catalog import Catalog
 from mshpc.checkpoint.group_read import load_for_group
-from mshpc.checkpoint.manifest import Manifest
 from mshpc.checkpoint.model_copy import repair_on_resume
 from mshpc.checkpoint.paths import remove_stale_tmp
 from mshpc.checkpoint.reader import CheckpointReader, Request
@@ -138,20 +138,22 @@ class TrainCheckpointer:
         if picked is None:
             return 0
         seconds = time.perf_counter() - start
-        folder, manifest = picked
+        folder, catalog = picked
         start = time.perf_counter()
-        self._repair_model_copy(folder, manifest)
-        self._report_restore(manifest.step, seconds, time.perf_counter() - start)
-        return manifest.step
+        self._repair_model_copy(folder, catalog)
+        self._restored["manifest_bytes_parsed"] = catalog.bytes_parsed  # the index and this rank's entries
+        self._report_restore(catalog.head.step, seconds, time.perf_counter() - start)
+        return catalog.head.step
 
-    def _repair_model_copy(self, folder: Path, manifest: Manifest) -> None:
+    def _repair_model_copy(self, folder: Path, catalog: Catalog) -> None:
         """Collective over all ranks: the checkpoint just taken is trusted only with its model/
         copy checked; rank 0 writes an event for each bad tensor, rebuilt from the masters."""
-        repairs, manifest_error = repair_on_resume(folder, manifest, self.group)
+        step = catalog.head.step
+        repairs, manifest_error = repair_on_resume(folder, catalog, self.group)
         if self.rank != 0:
             return
         for r in repairs:
-            fields = {"step": manifest.step, "tensor": r.tensor, "file": str(folder / r.file),
+            fields = {"step": step, "tensor": r.tensor, "file": str(folder / r.file),
                       "problem": r.problem}
             if r.error is None:
                 append_event(run_path(self.cfg), "checkpoint_repaired", **fields)
@@ -162,7 +164,7 @@ class TrainCheckpointer:
                 log.warning("checkpoint %s: the model copy %s in %s is bad (%s) and could not be rebuilt: "
                             "%s; training goes on from the masters", folder, r.tensor, r.file, r.problem, r.error)
         if manifest_error is not None:
-            append_event(run_path(self.cfg), "checkpoint_repair_failed", step=manifest.step, error=manifest_error)
+            append_event(run_path(self.cfg), "checkpoint_repair_failed", step=step, error=manifest_error)
             log.warning("checkpoint %s: %s", folder, manifest_error)
 
     def _requests(self, reader: CheckpointReader, relayout: Relayout, same_world: bool) -> list[Request]:
@@ -186,7 +188,7 @@ class TrainCheckpointer:
         """Collective over all ranks: read and verify what this rank needs into the reader's
         cache, each byte read by one rank of its dp group (group_read.py), so installing it
         cannot fail half-way."""
-        extras = reader.manifest.extras
+        extras = reader.catalog.head.extras
         same_world = extras.get("world_size") == self.world_size
         requests, error, relayout = [], None, Relayout(1, 1, 0)
         try:
