@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 from support.ckpt_runs import sharded_checkpoint
 from mshpc.checkpoint.group_read import load_for_group, plan_reads
-from mshpc.checkpoint.manifest import read_manifest
+from mshpc.checkpoint.manifest import INDEX_FILE, MANIFEST_FILE, read_manifest
 from mshpc.checkpoint.reader import CheckpointReader
+from mshpc.checkpoint.restore import resume_from
 from mshpc.checkpoint.shard_read import entry_nbytes
 from mshpc.errors import CheckpointError
 from support.rank_runner import run_ranks
@@ -27,12 +28,12 @@ def full(name: str) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float32) + 1000 * len(name)).reshape(SHAPES[name])
 
 
-def write(folder: Path) -> None:
-    """A dp=2 checkpoint: ZeRO-like halves of each tensor, the step counter in shard 0 only,
-    and each rank's RNG state in its own shard."""
+def write(folder: Path, extra: dict[str, torch.Tensor] | None = None) -> None:
+    """A dp=2 checkpoint: ZeRO-like halves of each tensor (and of each of `extra`), the step
+    counter in shard 0 only, and each rank's RNG state in its own shard."""
     whole = {"optim.step": (torch.tensor(5.0), 0),
              **{f"rng/cpu/rank-{r}": (torch.full((40,), r, dtype=torch.uint8), r) for r in range(SAVED_DP)}}
-    sharded_checkpoint(folder, {n: full(n) for n in SHAPES}, n_shards=SAVED_DP, whole=whole)
+    sharded_checkpoint(folder, {**{n: full(n) for n in SHAPES}, **(extra or {})}, n_shards=SAVED_DP, whole=whole)
 
 
 def requests(rank: int, world: int) -> list[tuple[str, int, int]]:
@@ -116,3 +117,39 @@ def test_plan_spreads_reads_over_the_ranks_that_need_them(tmp_path):
     assert max(load) - min(load) <= biggest  # greedy, largest first: within one entry of even
     step = next(a for a in plan if a.entry.name == "optim.step")
     assert step.needers == (0, 1, 2, 3)
+
+
+def resume_rank(rank: int, world: int, folder: str) -> dict:
+    """The real resume path (restore.py) with load_for_group as its stage."""
+    group = dist.new_group(backend="gloo")
+    got: dict = {}
+
+    def stage(reader: CheckpointReader):
+        load_for_group(reader, requests(rank, world), group)
+        got["values_ok"] = all(torch.equal(reader.read(n, s, c), full(n).reshape(-1)[s:s + c])
+                               for n, s, c in requests(rank, world) if n in SHAPES)
+        return lambda: None
+
+    picked = resume_from([Path(folder)], stage, group)
+    assert picked is not None
+    return {**got, "indexed": picked[1].indexed, "bytes_parsed": picked[1].bytes_parsed}
+
+
+@pytest.mark.parametrize("kind", ["indexed", "without an index"])
+def test_resume_parses_only_what_the_group_needs_and_old_checkpoints_still_restore(tmp_path, kind):
+    write(tmp_path, {"optim.exp_avg_sq/unused": torch.zeros(50)})
+    if kind == "indexed":  # a tensor no rank asks for, with manifest lines no parser accepts
+        path = tmp_path / MANIFEST_FILE
+        path.write_text(path.read_text().replace('"name":"optim.exp_avg_sq/unused","global_shape":[50]',
+                                                 '"name":"optim.exp_avg_sq/unused","global_shape":[5]]'))
+        with pytest.raises(CheckpointError, match="unreadable"):
+            read_manifest(tmp_path)  # read whole, the manifest is unusable
+    else:
+        (tmp_path / INDEX_FILE).unlink()  # as an older mshpc wrote it
+    out = run_ranks(resume_rank, SAVED_DP, str(tmp_path), timeout_s=120)
+    assert all(o["values_ok"] for o in out)
+    size = (tmp_path / MANIFEST_FILE).stat().st_size
+    if kind == "indexed":
+        assert all(o["indexed"] and o["bytes_parsed"] < size for o in out)
+    else:
+        assert all(not o["indexed"] and o["bytes_parsed"] == size for o in out)
