@@ -1,7 +1,9 @@
 """The checkpoint's control plane at N = 8 ... 12,288 ranks (issue #20, part 3): manifest size,
 the bytes the save's exchange of entries moves (to every rank before, to rank 0 now), rank 0's
-commit time, a manifest's parse time on restore, and the restore planner's time after
-a dp change (1,536 -> 1,024 nodes at 12,288 ranks; dp x 2/3 at every N).
+commit time (manifest and its index), and one rank's restore after a dp change (1,536 -> 1,024
+nodes at 12,288 ranks; dp x 2/3 at every N): before, the whole manifest parsed, then the plan;
+now (catalog.py), the index and the manifest's head, the entries of the names its dp group asks
+for (what the plan reads), and the model/ entries the resume's copy check reads.
 
 The 175B model (configs/gpt-175b.yaml) at tp=8, pp=8 (pp=1 at 8 ranks): each stage's parameter
 sizes come from the real model built on the meta device, cut by tp as parallel/apply.py cuts
@@ -33,8 +35,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.scale.synthetic_run import shape_for  # noqa: E402
+from mshpc.checkpoint.catalog import open_catalog  # noqa: E402
 from mshpc.checkpoint.group_read import plan_reads  # noqa: E402
-from mshpc.checkpoint.manifest import Manifest, TensorEntry, read_manifest, write_manifest  # noqa: E402
+from mshpc.checkpoint.manifest import (  # noqa: E402
+    INDEX_FILE,
+    Manifest,
+    TensorEntry,
+    grouped_by_name,
+    read_manifest,
+    write_manifest,
+)
 from mshpc.checkpoint.reader import CheckpointReader  # noqa: E402
 from mshpc.checkpoint.state import spread  # noqa: E402
 from mshpc.config import Config, load_config  # noqa: E402
@@ -114,7 +124,7 @@ def manifest_for(cfg: Config, shape: MeshShape) -> Manifest:
                 mine, _ = rank_entries(params, layouts, dp_rank, shape.dp, rank, 4096)
                 entries += mine
     return Manifest(step=1000, config_hash="synthetic", layout={"dp": shape.dp, "tp": shape.tp, "pp": shape.pp},
-                    tensors=tuple(entries), created_unix=time.time())
+                    tensors=grouped_by_name(entries), created_unix=time.time())  # as the saver orders them
 
 
 def new_group_needs(cfg: Config, new_dp: int) -> list[list[tuple[str, int, int]]]:
@@ -154,39 +164,79 @@ def emit(**fields: object) -> None:
     print(json.dumps({"bench": "scale_checkpoint", **fields}), flush=True)
 
 
+def restore_before(folder: Path, needs: list[list[tuple[str, int, int]]]) -> dict[str, float]:
+    """One rank's restore planning as it was: the whole manifest parsed, then the group's plan."""
+    start = time.perf_counter()
+    manifest = read_manifest(folder)
+    parse = time.perf_counter() - start
+    reader = CheckpointReader(folder, manifest)  # the planner reads no shard bytes
+    start = time.perf_counter()
+    plan = plan_reads(reader, needs)
+    plan_s = time.perf_counter() - start
+    return {"parse_s": parse, "plan_s": plan_s, "restore_before_s": parse + plan_s,
+            "bytes_parsed_before": (folder / "manifest.json").stat().st_size, "plan_assignments": len(plan)}
+
+
+def restore_after(folder: Path, needs: list[list[tuple[str, int, int]]]) -> dict[str, float]:
+    """The same rank's now: the index and head, the plan (parsing its group's names' entries),
+    then the model/ entries the copy check spreads over the ranks."""
+    start = time.perf_counter()
+    catalog = open_catalog(folder)
+    open_s = time.perf_counter() - start
+    reader = CheckpointReader(folder, catalog)
+    start = time.perf_counter()
+    plan = plan_reads(reader, needs)
+    plan_s = time.perf_counter() - start
+    start = time.perf_counter()
+    reader.prefetch(set(reader.names("model/")))
+    model_s = time.perf_counter() - start
+    assert catalog.indexed, "the index was not used"
+    return {"open_s": open_s, "plan_after_s": plan_s, "model_names_s": model_s,
+            "restore_after_s": open_s + plan_s + model_s, "bytes_parsed_after": catalog.bytes_parsed,
+            "plan_assignments_after": len(plan)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[8, 64, 512, 4096, 12288])
     args = ap.parse_args()
-    rows: dict[str, list[float]] = {"manifest_bytes": [], "commit_s": [], "parse_s": [], "plan_s": []}
+    keys = ["manifest_bytes", "commit_s", "parse_s", "plan_s", "restore_before_s", "bytes_parsed_before",
+            "restore_after_s", "bytes_parsed_after", "plan_after_s"]
+    rows: dict[str, list[float]] = {k: [] for k in keys}
     ns = sorted(args.n)
     for n in ns:
         shape = shape_for(n)
         cfg = load_config(ROOT / "configs" / "gpt-175b.yaml",
                           [f"parallel.pp={shape.pp}", f"parallel.dp={shape.dp}", f"parallel.tp={shape.tp}"])
         manifest = manifest_for(cfg, shape)
-        with tempfile.TemporaryDirectory() as tmp:
-            start = time.perf_counter()
-            write_manifest(Path(tmp), manifest)
-            commit = time.perf_counter() - start
-            size = (Path(tmp) / "manifest.json").stat().st_size
-            start = time.perf_counter()
-            read_manifest(Path(tmp))
-            parse = time.perf_counter() - start
         new_dp = max(1, shape.dp * 2 // 3)
         needs = new_group_needs(cfg, new_dp)
-        reader = CheckpointReader(Path("/nonexistent"), manifest)  # the planner reads no bytes
-        start = time.perf_counter()
-        plan = plan_reads(reader, needs)
-        plan_s = time.perf_counter() - start
-        for key, value in zip(rows, (size, commit, parse, plan_s), strict=True):
-            rows[key].append(value)
-        emit(N=n, dp=shape.dp, new_dp=new_dp, entries=len(manifest.tensors), manifest_bytes=size,
-             commit_s=round(commit, 3), parse_s=round(parse, 3), plan_s=round(plan_s, 4),
-             plan_group_ranks=new_dp, plan_assignments=len(plan),
-             plan_requests=sum(map(len, needs)), **exchange_bytes(manifest, n))
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            start = time.perf_counter()
+            write_manifest(folder, manifest)  # what rank 0's commit writes: the index, then the manifest
+            commit = time.perf_counter() - start
+            size = (folder / "manifest.json").stat().st_size
+            index_bytes = (folder / INDEX_FILE).stat().st_size
+            entries, exchange = len(manifest.tensors), exchange_bytes(manifest, n)
+            del manifest  # a restoring rank holds only what it parses
+            after = restore_after(folder, needs)  # first: the page cache favours neither
+            before = restore_before(folder, needs)
+        assert after.pop("plan_assignments_after") == before["plan_assignments"], "the plans differ"
+        fields = {"manifest_bytes": size, "commit_s": commit, **before, **after}
+        for key in keys:
+            rows[key].append(fields[key])
+        emit(N=n, dp=shape.dp, new_dp=new_dp, entries=entries, index_bytes=index_bytes, **{k: round(v, 4) if isinstance(v, float) else v for k, v in fields.items()},
+             plan_group_ranks=new_dp, plan_requests=sum(map(len, needs)),
+             ratio_restore_after_vs_before=round(after["restore_after_s"] / before["restore_before_s"], 4),
+             ratio_bytes_parsed_after_vs_before=round(after["bytes_parsed_after"] / before["bytes_parsed_before"], 5),
+             **exchange)
     if len(ns) > 1:
         emit(metric="growth_exponent", unit="log-log slope", N=ns, **{k: slope(ns, v) for k, v in rows.items()})
+        big = [i for i, n in enumerate(ns) if n >= 512]
+        if len(big) > 1:
+            emit(metric="growth_exponent_from_512", unit="log-log slope", N=[ns[i] for i in big],
+                 **{k: slope([ns[i] for i in big], [v[i] for i in big]) for k, v in rows.items()})
 
 
 if __name__ == "__main__":

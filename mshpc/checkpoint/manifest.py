@@ -97,6 +97,12 @@ def group_by_name(entries: tuple[TensorEntry, ...] | list[TensorEntry]) -> dict[
     return out
 
 
+def grouped_by_name(entries: list[TensorEntry]) -> tuple[TensorEntry, ...]:
+    """`entries` with each tensor's together (in the order given), names in order of first
+    appearance: the order the saver writes, so that the index gives each name one byte range."""
+    return tuple(e for same in group_by_name(entries).values() for e in same)
+
+
 def to_json(m: Manifest) -> str:
     return render(m)[0]
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mshpc.checkpoint.h5_shard import ALIGN_BYTES, write_shard
-from mshpc.checkpoint.manifest import Manifest, TensorEntry, group_by_name, write_manifest
+from mshpc.checkpoint.manifest import Manifest, TensorEntry, grouped_by_name, write_manifest
 from mshpc.checkpoint.paths import prune, publish, tmp_dir
 from mshpc.errors import CheckpointError
 from mshpc.parallel import comm
@@ -252,9 +252,8 @@ class CheckpointSaver:
                    for r in reports for e in r["entries"]]
         # Each tensor's entries together (in rank order), so the manifest's index gives each
         # name one byte range, which a restoring rank reads and parses alone (catalog.py).
-        grouped = tuple(e for same in group_by_name(entries).values() for e in same)
         manifest = Manifest(step=step, config_hash=t.config_hash, layout=t.layout,
-                            tensors=grouped, extras=extras, created_unix=time.time())
+                            tensors=grouped_by_name(entries), extras=extras, created_unix=time.time())
         try:
             write_manifest(tmp_dir(t.root, step), manifest)
             final = publish(t.root, step)

@@ -1,12 +1,14 @@
 """The manifest's index: a reader parses the entries of the tensors it asks for and no others,
 and a checkpoint without a (usable) index is read whole, as before."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from support.ckpt_runs import sharded_checkpoint
 from mshpc.checkpoint.catalog import open_catalog
-from mshpc.checkpoint.manifest import INDEX_FILE, MANIFEST_FILE, read_manifest
+from mshpc.checkpoint.manifest import INDEX_FILE, MANIFEST_FILE, grouped_by_name, read_manifest, render
 from mshpc.checkpoint.model_copy import Repair, fix_checksums
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.errors import CheckpointError
@@ -101,3 +103,11 @@ def test_a_rewritten_manifest_gets_a_matching_index(tmp_path):
     assert catalog.indexed and [e.crc32 for e in catalog.entries("model/a")] == [7]
     assert catalog.manifest().by_name() == read_manifest(tmp_path).by_name()
     assert catalog.indexed  # every name parsed from its ranges, none fell back
+
+
+def test_grouped_entries_give_each_name_one_range(tmp_path):
+    m = write(tmp_path)  # written shard by shard: each ZeRO tensor's entries lie apart
+    _, index = render(m)
+    assert max(len(runs) for runs in index["names"].values()) == 3
+    _, index = render(dataclasses.replace(m, tensors=grouped_by_name(list(m.tensors))))
+    assert [len(runs) for runs in index["names"].values()] == [1] * 5  # as the saver writes them
