@@ -124,7 +124,7 @@ def manifest_for(cfg: Config, shape: MeshShape) -> Manifest:
                 mine, _ = rank_entries(params, layouts, dp_rank, shape.dp, rank, 4096)
                 entries += mine
     return Manifest(step=1000, config_hash="synthetic", layout={"dp": shape.dp, "tp": shape.tp, "pp": shape.pp},
-                    tensors=grouped_by_name(entries), created_unix=time.time())  # as the saver orders them
+                    tensors=tuple(entries), created_unix=time.time())  # in rank order, as the reports arrive
 
 
 def new_group_needs(cfg: Config, new_dp: int) -> list[list[tuple[str, int, int]]]:
@@ -213,8 +213,8 @@ def main() -> None:
         needs = new_group_needs(cfg, new_dp)
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
-            start = time.perf_counter()
-            write_manifest(folder, manifest)  # what rank 0's commit writes: the index, then the manifest
+            start = time.perf_counter()  # rank 0's commit: group the entries, write the index and manifest
+            write_manifest(folder, dataclasses.replace(manifest, tensors=grouped_by_name(list(manifest.tensors))))
             commit = time.perf_counter() - start
             size = (folder / "manifest.json").stat().st_size
             index_bytes = (folder / INDEX_FILE).stat().st_size
