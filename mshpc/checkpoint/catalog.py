@@ -96,17 +96,19 @@ class Catalog:
         assert self._runs is not None
         runs = sorted(run for n in names for run in self._runs[n])
         got: dict[str, list[TensorEntry]] = {}
-        with open(self.folder / MANIFEST_FILE, "rb") as f:
-            for offset, nbytes in _coalesce(runs):
-                text = os.pread(f.fileno(), nbytes, offset)
-                self.bytes_parsed += len(text)
-                try:
-                    raws = json.loads(b"[" + text + b"]")
-                    for e in map(entry_from_json, raws):
-                        got.setdefault(e.name, []).append(e)
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise CheckpointError(f"bytes {offset}-{offset + nbytes} of the manifest are no entries "
-                                          f"({type(exc).__name__}: {exc})") from None
+        try:
+            with open(self.folder / MANIFEST_FILE, "rb") as f:
+                texts = [(offset, os.pread(f.fileno(), nbytes, offset)) for offset, nbytes in _coalesce(runs)]
+        except OSError as exc:
+            raise CheckpointError(f"the manifest is unreadable ({exc})") from None
+        for offset, text in texts:
+            self.bytes_parsed += len(text)
+            try:
+                for e in map(entry_from_json, json.loads(b"[" + text + b"]")):
+                    got.setdefault(e.name, []).append(e)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"bytes {offset}-{offset + len(text)} of the manifest are no entries "
+                                      f"({type(exc).__name__}: {exc})") from None
         counts = {n: sum(run[2] for run in self._runs[n]) for n in names}
         if set(got) != set(names) or any(len(got[n]) != counts[n] for n in names):
             raise CheckpointError("it does not match the manifest (another name or count in its ranges)")
