@@ -6,9 +6,9 @@ What that means for each kind of tensor, at the layout that wrote it: a ZeRO sha
 optimizer moments) is needed by its owner only, so the owner reads it and nothing is sent; a
 tensor every rank needs (`optim.step`) is read by one rank and broadcast; a rank's RNG state is
 read by that rank. After a change of dp, a saved shard that several new ranks' ranges cross is
-read by one of them and broadcast to the group. The manifest is read by rank 0 and broadcast
-(restore.py), or, with its index, each rank parses only the entries its group needs
-(catalog.py); the HDF5 headers are read by nobody, since the manifest records where each
+read by one of them and broadcast to the group. Of the manifest each rank parses, through its
+index, only the entries its group needs (catalog.py; an older, index-less one is read by rank 0
+and broadcast, restore.py); the HDF5 headers are read by nobody, since the manifest records where each
 dataset's bytes lie. So no byte is read by two ranks of a dp group.
 """
 
