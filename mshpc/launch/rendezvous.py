@@ -7,6 +7,10 @@ The store lives on rank 0. torch's store client sleeps about a second after each
 connection, and ranks routinely start before rank 0 listens (rank 0 is one process among many
 importing torch), so a start-up of many ranks paid whole seconds at random; the other ranks now
 poll the port every few milliseconds first and connect once it accepts (benchmarks/init_groups.py).
+What is left is torch's and the site's: each store connect and accept does a reverse DNS lookup
+of the peer (c10d's socket.cpp formats addresses with getnameinfo), on rank 0's store thread one
+after another, and a lost reply costs the resolver's timeout, 5 s by default, for every rank
+(README, Scale: "The 5 s at 32 local ranks"; benchmarks/store_connect.py).
 """
 
 from __future__ import annotations
