@@ -75,9 +75,9 @@ def embedding_case(rank, tp, group):
     sent = comm.RECORDER.snapshot()[before:]
     # rows that change hands: the other shard's positions holding my tokens (forward), and my
     # positions holding the other rank's tokens (backward, their gradients)
-    mine = (idx >= lo) & (idx < hi)
-    other = slice((1 - rank) * S // tp, (2 - rank) * S // tp)
-    rows = int(mine[:, other].sum()) + int((~mine[:, seq]).sum())
+    mine, here = (idx >= lo) & (idx < hi), torch.zeros(B, S, dtype=torch.bool)
+    here[:, seq] = True
+    rows = int((mine & ~here).sum()) + int((~mine & here).sum())
     return {"y": max_diff(y, ref(idx)[:, seq]), "dw": max_diff(layer.weight.grad, ref.weight.grad[lo:hi]),
             "ops": [r.op for r in sent], "bytes": sum(r.nbytes for r in sent), "expected_bytes": rows * D_IN * 4}
 
@@ -129,6 +129,15 @@ def layers(rank, world):
     return out
 
 
+def embedding_only(rank, world):
+    return {"embedding": embedding_case(rank, world, build_mesh(MeshShape(pp=1, dp=1, tp=world)).tp)}
+
+
+@pytest.fixture(scope="module")
+def tp4_embedding():  # VOCAB=7 over 4 ranks: parts of 1, 2, 2, 2 rows; each rank exchanges with 3
+    return run_ranks(embedding_only, 4, timeout_s=120)
+
+
 @pytest.fixture(scope="module")
 def tp2():
     return run_ranks(layers, 2, timeout_s=120)
@@ -147,14 +156,16 @@ def test_overlapped_chunks_are_bitwise_the_whole_collective(tp2, layer):
         assert r[f"{layer}_chunked_vs_whole_bitwise"] == [True, True, True]  # output, dx, dw
 
 
-def test_vocab_parallel_embedding_with_uneven_shards_matches_nn_embedding(tp2):
-    for r in tp2:
+@pytest.mark.parametrize("ranks", ["tp2", "tp4_embedding"])
+def test_vocab_parallel_embedding_with_uneven_shards_matches_nn_embedding(ranks, request):
+    for r in request.getfixturevalue(ranks):
         # each output row and each gradient row is one table row or one output gradient: exact
         assert (r["embedding"]["y"], r["embedding"]["dw"]) == (0.0, 0.0)
 
 
-def test_vocab_parallel_embedding_sends_only_the_rows_that_change_hands(tp2):
-    for r in tp2:  # not the (b, s, d) reduce-scatter and all-gather of Megatron's embedding
+@pytest.mark.parametrize("ranks", ["tp2", "tp4_embedding"])
+def test_vocab_parallel_embedding_sends_only_the_rows_that_change_hands(ranks, request):
+    for r in request.getfixturevalue(ranks):  # not the (b, s, d) reduce-scatter and all-gather of Megatron's
         assert r["embedding"]["ops"] == ["all_to_all_v", "all_to_all_v"]
         assert r["embedding"]["bytes"] == r["embedding"]["expected_bytes"] > 0
 
