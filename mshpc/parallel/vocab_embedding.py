@@ -8,9 +8,11 @@ layout; its backward all-gathers the (b, s/tp, d) output gradient. Each rank the
 term. The token ids are on every tp rank, so each rank knows which rows the others need
 without being told: here rank r sends rank q only the rows of q's positions whose tokens r's
 part of the vocabulary holds, and backward sends back only their gradients (one
-uneven all-to-all each way, `comm.all_to_all_v`). In total over the ranks that is 1/tp of
-Megatron's bytes, whatever the token distribution; the sums it skips were sums with zeros,
-so the numbers are bitwise Megatron's.
+uneven all-to-all each way, `comm.all_to_all_v`). Each position's row travels at most once, so
+the ranks together send at most 1/tp of Megatron's bytes, and no rank more than its own share
+there, whatever the token distribution (tokens spread evenly over the vocabulary parts: each
+rank 1/tp of its share). The sums it skips were sums with zeros, so the numbers are bitwise
+Megatron's.
 """
 
 from __future__ import annotations
