@@ -4,17 +4,23 @@ a rate-limited link takes less time than the same step with each collective whol
 sec. 3.2). Same model, same batch, same numbers out (tests/dist/parallel: bitwise).
 
 Claim (issue #21): the fused parallel block (`parallel.tp_fused_block`, one all-gather and one
-reduce-scatter per layer forward) moves about half the tensor-parallel bytes of the unfused one
-(Megatron's two of each) and takes less time per step; both with 2 overlap chunks. Bytes are
-the sizes of the tp collectives one step enters, from the flight recorder.
+reduce-scatter per layer forward) puts at most 0.55x the tensor-parallel bytes of the unfused
+one (Megatron's two of each) on the wire per step, and takes at most 0.9x its time; both with 2
+overlap chunks. Bytes: every collective of the tp group one step enters, from the flight
+recorder, as what this rank sends ((tp-1)/tp of an all-gather's output or a reduce-scatter's
+input, 2(tp-1)/tp of an all-reduce's buffer, an uneven all-to-all's own count).
 
 Two tp ranks on a rate-limited veth link between network namespaces, then unlimited
-(two_ranks.py); without root or iproute2, on loopback. Each step is forward, backward and the
-ZeRO optimizer step of configs/tiny.yaml's model split over tp=2 (dp=1); the contenders take
-turns within each round, median over rounds.
+(two_ranks.py); without root or iproute2, on loopback. Before the ranks start, a raw TCP send
+of 32 MiB measures what each link carries (the `tc` limit must show). Each step is forward,
+backward and the ZeRO optimizer step of configs/tiny.yaml's model split over tp=2 (dp=1); the
+contenders take turns within each round (reversed every other round); each prints its median,
+min and max over rounds, and the ratio is also given per round (paired, so a neighbour's load
+that hits one round hits both). The 1-minute load average before and after each link is
+printed beside the figures: on a shared machine, read them with it.
 
     .venv/bin/python benchmarks/tp_overlap.py [--rate-mbit 1000] [--micro-batch 4] [--seq-len 256]
-        [--chunks 2 4] [--rounds 5] [--steps 2]
+        [--chunks 2] [--rounds 9] [--steps 2]
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import statistics
 from collections.abc import Callable
 from datetime import timedelta
 
-from two_ranks import REPO, WORKER_TIMEOUT_S, add_link_options, main_on_links, time_steps
+from two_ranks import REPO, WORKER_TIMEOUT_S, add_link_options, main_on_links, measure_link_mbit, time_rounds
+
+FUSED, UNFUSED = "overlap_2_chunks", "unfused_block_overlap_2_chunks"
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -35,20 +45,24 @@ def worker(args: argparse.Namespace) -> None:
     from mshpc.mesh_shape import MeshShape
     from mshpc.parallel.mesh import build_mesh
 
+    load_before = os.getloadavg()[0]
+    link_mbit = measure_link_mbit(args.worker, args.addr, args.port + 1)  # before gloo uses the link
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.worker,
                             world_size=2, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
     mesh = build_mesh(MeshShape(pp=1, dp=1, tp=2))
     steps = build_steps(args, mesh)
-    wire = {name: tp_bytes_per_step(steps[name][0]) for name in steps if name != "facts"}
-    out = {"step_s": time_steps(steps, args.rounds, args.steps), "tp_bytes": wire, **steps["facts"]()}
+    wire = {name: tp_wire_bytes(steps[name][0]) for name in steps if name != "facts"}
+    out = {"step_s": time_rounds(steps, args.rounds, args.steps), "tp_wire": wire, "link_mbit": link_mbit,
+           "load_avg_1min": [load_before, os.getloadavg()[0]], **steps["facts"]()}
     if args.worker == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
 
 def build_steps(args: argparse.Namespace, mesh) -> dict:
-    """A train step per contender: whole collectives, and chunked ones for each --chunks."""
+    """A train step per contender: whole collectives, chunked ones for each --chunks, and the
+    unfused block chunked in 2."""
     import torch
 
     from mshpc.config import load_config
@@ -59,7 +73,7 @@ def build_steps(args: argparse.Namespace, mesh) -> dict:
     batch = torch.randint(0, base.model.vocab_size, (args.micro_batch, args.seq_len + 1),
                           generator=torch.Generator().manual_seed(0))  # the same on both tp ranks
     contenders = {"no_overlap": (False, 1, True), **{f"overlap_{c}_chunks": (True, c, True) for c in sorted({2, *args.chunks})},
-                  "unfused_block_overlap_2_chunks": (True, 2, False)}
+                  UNFUSED: (True, 2, False)}
     steps: dict = {}
     for name, (overlap, chunks, fused) in contenders.items():
         parallel = dataclasses.replace(base.parallel, dp=1, tp=2, tp_overlap=overlap, tp_overlap_chunks=chunks,
@@ -73,9 +87,16 @@ def build_steps(args: argparse.Namespace, mesh) -> dict:
     return steps
 
 
-def tp_bytes_per_step(step: Callable[[], None]) -> int:
-    """Bytes of the tp group's all-gathers and reduce-scatters one step enters (a deep recorder
-    for the count, so the ring buffer cannot drop any)."""
+# What one rank sends for a collective of `nbytes` (its record's size) over tp ranks: a ring's
+# share (all_gather: the output; reduce_scatter: the input; all_reduce: both phases), or the
+# uneven all-to-all's own count, which leaves out the rows a rank keeps.
+WIRE_SHARE = {"all_gather": lambda n, tp: n * (tp - 1) // tp, "reduce_scatter": lambda n, tp: n * (tp - 1) // tp,
+              "all_reduce": lambda n, tp: 2 * n * (tp - 1) // tp, "all_to_all_v": lambda n, tp: n}
+
+
+def tp_wire_bytes(step: Callable[[], None]) -> dict[str, int]:
+    """Bytes this rank sends per op over the tp group in one step (a deep recorder for the
+    count, so the ring buffer cannot drop any). Fails on an op it cannot size."""
     import torch.distributed as dist
 
     from mshpc.parallel import comm
@@ -86,8 +107,12 @@ def tp_bytes_per_step(step: Callable[[], None]) -> int:
         records = comm.RECORDER.snapshot()
     finally:
         comm.RECORDER = kept
-    tp = repr(list(range(dist.get_world_size())))
-    return sum(r.nbytes for r in records if r.group == tp and r.op in ("all_gather", "reduce_scatter"))
+    tp = dist.get_world_size()
+    out: dict[str, int] = {}
+    for r in records:
+        if r.group == repr(list(range(tp))) and r.op != "barrier":
+            out[r.op] = out.get(r.op, 0) + WIRE_SHARE[r.op](r.nbytes, tp)
+    return out
 
 
 def train_step(split, batch, grad_clip: float) -> Callable[[], None]:
@@ -97,34 +122,49 @@ def train_step(split, batch, grad_clip: float) -> Callable[[], None]:
     return step
 
 
+def compare(ours: list[float], base: list[float]) -> dict:
+    """Medians, ranges and the per-round (paired) ratio of two contenders' samples."""
+    paired = [a / b for a, b in zip(ours, base, strict=True)]
+    return {"value": round(statistics.median(ours), 4), "baseline": round(statistics.median(base), 4),
+            "ratio": round(statistics.median(ours) / statistics.median(base), 3),
+            "range_s": [round(min(ours), 4), round(max(ours), 4)],
+            "baseline_range_s": [round(min(base), 4), round(max(base), 4)],
+            "ratio_per_round": {"median": round(statistics.median(paired), 3), "min": round(min(paired), 3),
+                                "max": round(max(paired), 3)}, "rounds": len(ours)}
+
+
 def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
     t = r["step_s"]
-    context = {"link": label, "model": "configs/tiny.yaml", "tp": 2, "micro_batch": args.micro_batch,
+    context = {"link": label, "link_measured_mbit": r["link_mbit"] and round(r["link_mbit"], 1),
+               "load_avg_1min": [round(x, 1) for x in r["load_avg_1min"]], "model": "configs/tiny.yaml", "tp": 2,
+               "micro_batch": args.micro_batch,
                **{k: r[k] for k in ("params", "tokens_per_step", "seq_len", "d_model", "n_layer")}}
-    return [{"bench": "tp_overlap", "metric": f"step_time_overlap_{c}_chunks_vs_no_overlap_{label}",
-             "value": round(t[f"overlap_{c}_chunks"], 4), "unit": "s", "baseline": round(t["no_overlap"], 4),
-             "ratio": round(t[f"overlap_{c}_chunks"] / t["no_overlap"], 3), "chunks": c, **context}
-            for c in args.chunks] + fused_lines(label, r, context)
+    link = {"bench": "tp_overlap", "metric": f"link_raw_tcp_send_mbit_vs_configured_{label}",
+            "value": context["link_measured_mbit"], "unit": "Mbit/s",
+            "baseline": args.rate_mbit if label.endswith("mbit") else None}
+    chunked = [{"bench": "tp_overlap", "metric": f"step_time_overlap_{c}_chunks_vs_no_overlap_{label}", "unit": "s",
+                **compare(t[f"overlap_{c}_chunks"], t["no_overlap"]), "chunks": c, **context} for c in args.chunks]
+    return [link, *chunked, *fused_lines(label, r, context)]
 
 
 def fused_lines(label: str, r: dict, context: dict) -> list[dict]:
     """The fused parallel block against the unfused one, both overlapped in 2 chunks."""
-    t, wire = r["step_s"], r["tp_bytes"]
-    fused, unfused = "overlap_2_chunks", "unfused_block_overlap_2_chunks"
-    return [{"bench": "tp_overlap", "metric": f"step_time_fused_block_vs_unfused_block_{label}",
-             "value": round(t[fused], 4), "unit": "s", "baseline": round(t[unfused], 4),
-             "ratio": round(t[fused] / t[unfused], 3), **context},
-            {"bench": "tp_overlap", "metric": f"tp_bytes_per_step_fused_block_vs_unfused_block_{label}",
-             "value": wire[fused], "unit": "B", "baseline": wire[unfused],
-             "ratio": round(wire[fused] / wire[unfused], 3), **context}]
+    wire = r["tp_wire"]
+    fused, unfused = sum(wire[FUSED].values()), sum(wire[UNFUSED].values())
+    return [{"bench": "tp_overlap", "metric": f"step_time_fused_block_vs_unfused_block_{label}", "unit": "s",
+             **compare(r["step_s"][FUSED], r["step_s"][UNFUSED]), "target_ratio": 0.9, **context},
+            {"bench": "tp_overlap", "metric": f"tp_wire_bytes_per_step_fused_block_vs_unfused_block_{label}",
+             "value": fused, "unit": "B", "baseline": unfused, "ratio": round(fused / unfused, 4),
+             "target_ratio": 0.55, "by_op": wire[FUSED], "baseline_by_op": wire[UNFUSED], **context}]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per step (both tp ranks)")
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2],
+                        help="chunk counts to time against no overlap (2 is always built: the fused block's)")
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     add_link_options(parser)
     args = parser.parse_args()

@@ -103,18 +103,23 @@ def run_on_links(script: str, kind: str, rate_mbit: float, args: argparse.Namesp
 
 
 def time_steps(steps: dict, rounds: int, per_round: int) -> dict[str, float]:
-    """Steady-state step time: median over rounds of the mean of `per_round` consecutive steps.
+    """Steady-state step time: the median over rounds of `time_rounds`."""
+    return {n: statistics.median(s) for n, s in time_rounds(steps, rounds, per_round).items()}
+
+
+def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Per contender, one sample per round: the mean of `per_round` consecutive steps.
     An untimed lead-in step comes first, so the first timed forward waits for the all-gathers
     of a previous step, as every forward in training does; the last timed step's all-gathers
     are the next step's to wait for, and land after the clock stops. The contenders take turns
-    within each round, so a noisy neighbour on the machine slows all of them alike. Round 0 is
-    warm-up."""
+    within each round, in reverse order every other round, so a noisy neighbour on the machine
+    (or a drift) slows all of them alike. Round 0 is warm-up."""
     from mshpc.parallel import comm
 
     names = [n for n in steps if n != "facts"]
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds + 1):
-        for name in names:
+        for name in (names if r % 2 == 0 else names[::-1]):
             step, finish = steps[name]
             comm.barrier()  # not between lead-in and clock: it would wait for the all-gathers
             step()
@@ -125,4 +130,39 @@ def time_steps(steps: dict, rounds: int, per_round: int) -> dict[str, float]:
             finish()
             if r > 0:
                 samples[name].append(elapsed / per_round)
-    return {n: statistics.median(s) for n, s in samples.items()}
+    return samples
+
+
+def measure_link_mbit(rank: int, addr: str, port: int, nbytes: int = 32 << 20) -> float | None:
+    """Rank 1 sends `nbytes` to rank 0 over a plain TCP socket, nothing else on the link; rank 0
+    returns the rate it received them at, first byte to last (rank 1 returns None). What the
+    link really carries, to check a `tc` limit took hold (and how far an unlimited one goes)."""
+    if rank == 1:
+        payload = bytes(1 << 20)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                conn = socket.create_connection((addr, port), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)  # rank 0 is not listening yet
+        with conn:
+            for _ in range(nbytes // len(payload)):
+                conn.sendall(payload)
+            conn.recv(1)  # rank 0's word that all arrived, so the socket closes after it
+        return None
+    with socket.create_server((addr, port)) as server:
+        conn, _ = server.accept()
+        with conn:
+            first = got = len(conn.recv(1 << 20))  # the clock starts once the first bytes are in
+            start = time.perf_counter()
+            while got < nbytes:
+                chunk = conn.recv(1 << 20)
+                if not chunk:
+                    raise SystemExit(f"link check: the sender stopped after {got} of {nbytes} bytes")
+                got += len(chunk)
+            elapsed = time.perf_counter() - start
+            conn.sendall(b"k")
+    return (nbytes - first) * 8 / elapsed / 1e6 if elapsed > 0 else None

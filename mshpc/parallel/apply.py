@@ -32,10 +32,10 @@ from mshpc.parallel.tensor import (
     PartialRowLinear,
     RowParallelLinear,
     SharedInputSlot,
-    VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
 from mshpc.parallel.tp_split import COLUMNS, GATE_UP_ROWS, ROWS, TpSplit, chunk_bounds, qkv_split
+from mshpc.parallel.vocab_embedding import VocabParallelEmbedding
 from mshpc.parallel.zero import ModelParallel, ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine
 
@@ -92,7 +92,8 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
     vocab_start = 0 if table is None else _part(table.weight.shape[0], group).start
     tied = embedding is not None and head is not None and head.weight is embedding.weight
     if embedding is not None:
-        model.tok_embeddings = vocab = VocabParallelEmbedding(_local(embedding.weight, ROWS, group), vocab_start, group)
+        model.tok_embeddings = vocab = VocabParallelEmbedding(
+            _local(embedding.weight, ROWS, group), embedding.weight.shape[0], group)
     if head is not None:
         model.lm_head = lm_head = ColumnParallelLinear(_local(head.weight, ROWS, group), group, chunks)
         if tied:

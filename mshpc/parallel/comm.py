@@ -279,6 +279,17 @@ def all_to_all(
                        lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op))
 
 
+def all_to_all_v(
+    output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Collective over `group`, blocking: input_splits[j] rows (dim 0) of `input` go to rank j,
+    output_splits[i] rows of `output` come from rank i, in rank order. Every rank must pass the
+    sizes its peers pass for it. Recorded with the bytes this rank sends."""
+    _collective(group, "all_to_all_v", input.numel() * input.element_size(),
+                lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group))
+
+
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
     """Point to point, called by this rank and each peer it names (global ranks): post every send
     and receive at once, so that two peers sending to each other do not deadlock, and wait."""

@@ -206,19 +206,6 @@ class _LinearScatter(torch.autograd.Function):
         return dx.to(ctx.x_dtype), dw.to(weight.dtype), None, None
 
 
-class _ScatterSum(torch.autograd.Function):
-    """Sum over ranks, keep this rank's part of the sequence; backward: all-gather it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, chunks: int = 1) -> torch.Tensor:
-        ctx.group, ctx.chunks = group, chunks
-        return scatter_seq(x, None, group, chunks)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return gather_seq(dy.contiguous(), None, ctx.group, ctx.chunks)[0], None, None
-
-
 class _LinearsScatterSum(torch.autograd.Function):
     """y = reduce_scatter_seq(sum_i x_i @ W_i^T), chunk by chunk: chunk k's GEMMs run while
     chunk k-1's reduce-scatter travels (the fused parallel block's attention and MLP
@@ -351,26 +338,6 @@ class SharedScatter(nn.Module):
     def forward(self, *xs: torch.Tensor) -> torch.Tensor:
         weights = [getattr(self, f"weight_{i}") for i in range(self.n)]
         return _LinearsScatterSum.apply(self.group, self.chunks, self.n, *xs, *weights)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Token ids (b, s), the same on every tp rank -> embeddings (b, s/tp, d). This rank holds rows
-    [vocab_start, vocab_start + rows) of the table; a token outside them contributes zeros, and
-    the sum over ranks is reduce-scattered along the sequence (Megatron's SP embedding)."""
-
-    split = ROWS
-
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)  # (rows, d)
-        self.vocab_start, self.group = vocab_start, group
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        local = idx - self.vocab_start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        partial = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
-        partial = partial * mine.unsqueeze(-1).to(partial.dtype)  # (b, s, d)
-        return _ScatterSum.apply(partial, self.group)
 
 
 class _VocabParallelNLL(torch.autograd.Function):

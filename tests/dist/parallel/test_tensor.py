@@ -11,12 +11,14 @@ bitwise the unchunked one where every GEMM has a multiple of 16 rows."""
 import pytest
 import torch
 import torch.nn.functional as F
+from support.rank_runner import run_ranks
 
 from mshpc.mesh_shape import MeshShape
+from mshpc.parallel import comm
 from mshpc.parallel.mesh import build_mesh
-from mshpc.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                   vocab_parallel_cross_entropy)
-from support.rank_runner import run_ranks
+from mshpc.parallel.tensor import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+from mshpc.parallel.tp_split import chunk_bounds
+from mshpc.parallel.vocab_embedding import VocabParallelEmbedding
 
 B, S, D_IN, D_OUT, VOCAB = 2, 12, 8, 6, 7  # VOCAB=7: uneven shards of 4 and 3 rows
 ALIGNED_S = 64  # tp=2, 2 chunks: GEMMs of B*2*16 = 64 rows, and 128 unchunked
@@ -61,15 +63,23 @@ def row_case(rank, tp, group, chunks, S=S):
 def embedding_case(rank, tp, group):
     idx = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(7))
     w, g = randn(VOCAB, D_IN, seed=8), randn(B, S, D_IN, seed=9)
-    lo, hi = [(0, 4), (4, 7)][rank]
+    lo, hi = chunk_bounds(VOCAB, tp)[rank]  # (0, 3), (3, 7): the layer splits the vocabulary so
     seq = slice(rank * S // tp, (rank + 1) * S // tp)
     ref = torch.nn.Embedding(VOCAB, D_IN)
     ref.weight.data.copy_(w)
     (ref(idx) * g).sum().backward()
-    layer = VocabParallelEmbedding(w[lo:hi].clone(), lo, group)
+    layer = VocabParallelEmbedding(w[lo:hi].clone(), VOCAB, group)
+    before = len(comm.RECORDER.snapshot())
     y = layer(idx)
     (y * g[:, seq]).sum().backward()
-    return {"y": max_diff(y, ref(idx)[:, seq]), "dw": max_diff(layer.weight.grad, ref.weight.grad[lo:hi])}
+    sent = comm.RECORDER.snapshot()[before:]
+    # rows that change hands: the other shard's positions holding my tokens (forward), and my
+    # positions holding the other rank's tokens (backward, their gradients)
+    mine, here = (idx >= lo) & (idx < hi), torch.zeros(B, S, dtype=torch.bool)
+    here[:, seq] = True
+    rows = int((mine & ~here).sum()) + int((~mine & here).sum())
+    return {"y": max_diff(y, ref(idx)[:, seq]), "dw": max_diff(layer.weight.grad, ref.weight.grad[lo:hi]),
+            "ops": [r.op for r in sent], "bytes": sum(r.nbytes for r in sent), "expected_bytes": rows * D_IN * 4}
 
 
 def cross_entropy_case(rank, tp, group):
@@ -119,6 +129,15 @@ def layers(rank, world):
     return out
 
 
+def embedding_only(rank, world):
+    return {"embedding": embedding_case(rank, world, build_mesh(MeshShape(pp=1, dp=1, tp=world)).tp)}
+
+
+@pytest.fixture(scope="module")
+def tp4_embedding():  # VOCAB=7 over 4 ranks: parts of 1, 2, 2, 2 rows; each rank exchanges with 3
+    return run_ranks(embedding_only, 4, timeout_s=120)
+
+
 @pytest.fixture(scope="module")
 def tp2():
     return run_ranks(layers, 2, timeout_s=120)
@@ -137,9 +156,18 @@ def test_overlapped_chunks_are_bitwise_the_whole_collective(tp2, layer):
         assert r[f"{layer}_chunked_vs_whole_bitwise"] == [True, True, True]  # output, dx, dw
 
 
-def test_vocab_parallel_embedding_with_uneven_shards_matches_nn_embedding(tp2):
-    for r in tp2:
-        assert r["embedding"] == {"y": 0.0, "dw": 0.0}  # one nonzero term per sum: exact
+@pytest.mark.parametrize("ranks", ["tp2", "tp4_embedding"])
+def test_vocab_parallel_embedding_with_uneven_shards_matches_nn_embedding(ranks, request):
+    for r in request.getfixturevalue(ranks):
+        # each output row and each gradient row is one table row or one output gradient: exact
+        assert (r["embedding"]["y"], r["embedding"]["dw"]) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("ranks", ["tp2", "tp4_embedding"])
+def test_vocab_parallel_embedding_sends_only_the_rows_that_change_hands(ranks, request):
+    for r in request.getfixturevalue(ranks):  # not the (b, s, d) reduce-scatter and all-gather of Megatron's
+        assert r["embedding"]["ops"] == ["all_to_all_v", "all_to_all_v"]
+        assert r["embedding"]["bytes"] == r["embedding"]["expected_bytes"] > 0
 
 
 def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(tp2):
