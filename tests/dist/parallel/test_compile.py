@@ -10,7 +10,9 @@ training nor the second validation compiles anything: no recompile storm.
 
 One spawn runs every layout, eager then compiled, so the ranks pay torch's start-up once and
 later compiles find the first's caches: 37 s for dp and tp alone with a cold inductor cache on a
-quiet 2-core machine, 15 s warm, 96-122 s while seven other test runs shared the machine.
+quiet 2-core machine, 15 s warm, 96-122 s while seven other test runs shared the machine;
+the pp=2 layout and the two validations added 29 CPU-s with a cold cache (97 CPU-s for the
+file against 68, both ranks, measured one after the other at a load average of 40-50).
 Tolerance: inductor fuses and reorders the blocks' elementwise work and reductions (rounding
 differs, fp32), so losses agree to rel 1e-5 and parameters to 1e-5 after 3 steps, as the other
 parity tests allow for reordered sums."""
