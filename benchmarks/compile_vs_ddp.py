@@ -12,6 +12,14 @@ its four copies of the model with their optimizer states do not fit two ranks in
 memory, so there the pairs run one after the other (compiled vs compiled, eager vs eager), each
 pair interleaved.
 
+The machine these runs share is often loaded far past its 2 cores, and then wall time swings
+several-fold from run to run; so each contender's CPU time per step is measured too (rank 0's
+whole process, gloo's threads included: `time.process_time`), which a neighbour's load barely
+moves, and reported as tokens per CPU-second beside tokens/s, with the load average at the start
+and the end of each shape. One command for both shapes, under 6 minutes on a quiet machine:
+
+    .venv/bin/python benchmarks/compile_vs_ddp.py --rounds 4
+
     .venv/bin/python benchmarks/compile_vs_ddp.py [--shapes tiny,gpt-125m] [--rounds 3]
         [--steps 2] [--micro-batch 8] [--micro-batch-125m 1] [--seq-125m 64]
         [--only mshpc_eager,mshpc_compiled]
@@ -23,8 +31,10 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
+import os
 import queue
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -103,13 +113,26 @@ def worker(rank: int, port: int, shape: str, names: tuple[str, ...], args: argpa
     start = time.perf_counter()
     micro_batch = args.micro_batch_125m if shape == "gpt-125m" else args.micro_batch
     steps = build_steps(cfg, rank, micro_batch, names)
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    steps = {name: (cpu_timed(step, cpu[name]), finish) for name, (step, finish) in steps.items()}
     # the round-0 warm-up compiles every contender; what it spent is reported, not timed
     times = time_steps(steps, args.rounds, args.steps)
+    warm_up = 1 + args.steps  # round 0's lead-in and steps
+    cpu_s = {name: statistics.median(s[warm_up:]) for name, s in cpu.items()}
     if rank == 0:
-        out.put(json.dumps({"step_s": times, "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
+        out.put(json.dumps({"step_s": times, "cpu_s": cpu_s, "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
                             "tokens_per_step": 2 * micro_batch * cfg.model.seq_len, "micro_batch": micro_batch,
                             "seq_len": cfg.model.seq_len, "params": sum(p.numel() for p in steps_params(cfg))}))
     dist.destroy_process_group()
+
+
+def cpu_timed(step: Callable[[], None], samples: list[float]) -> Callable[[], None]:
+    """`step`, appending the CPU seconds this process spent in each call (all its threads)."""
+    def timed() -> None:
+        start = time.process_time()
+        step()
+        samples.append(time.process_time() - start)
+    return timed
 
 
 def steps_params(cfg):
@@ -154,8 +177,11 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict:
         groups = [CONTENDERS]
     else:
         groups = [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager")]
+    load_start = os.getloadavg()[0]
     results = [run_pair(shape, names, args) for names in groups]
-    merged = dict(results[0], step_s={k: v for r in results for k, v in r["step_s"].items()})
+    merged = dict(results[0], step_s={k: v for r in results for k, v in r["step_s"].items()},
+                  cpu_s={k: v for r in results for k, v in r["cpu_s"].items()})
+    merged["load_avg"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]
     merged["compile_s"] = sum(r["compile_s"] for r in results)
     merged["group_of"] = {name: g for g, names in enumerate(groups) for name in names}
     return merged
@@ -163,13 +189,17 @@ def run_shape(shape: str, args: argparse.Namespace) -> dict:
 
 def lines(shape: str, r: dict) -> list[dict]:
     tps = {name: r["tokens_per_step"] / s for name, s in r["step_s"].items()}
+    # per CPU-second of rank 0's process, both ranks' tokens: the figure load moves least
+    tpc = {name: r["tokens_per_step"] / s for name, s in r["cpu_s"].items()}
     context = {"shape": shape, "params": r["params"], "seq_len": r["seq_len"], "micro_batch_per_rank": r["micro_batch"],
-               "dp": 2, "device": "cpu", "compile_s_rank0": round(r["compile_s"], 1)}
+               "dp": 2, "device": "cpu", "compile_s_rank0": round(r["compile_s"], 1), "load_avg": r["load_avg"]}
 
     def line(ours: str, baseline: str) -> dict:
         return {"bench": "compile_vs_ddp", "metric": f"tokens_per_s_{ours}_vs_{baseline}",
                 "value": round(tps[ours], 1), "unit": "tokens/s", "baseline": round(tps[baseline], 1),
-                "ratio": round(tps[ours] / tps[baseline], 3), **context}
+                "ratio": round(tps[ours] / tps[baseline], 3),
+                "tokens_per_cpu_s": round(tpc[ours], 1), "baseline_tokens_per_cpu_s": round(tpc[baseline], 1),
+                "cpu_ratio": round(tpc[ours] / tpc[baseline], 3), **context}
 
     pairs = [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager"),
              ("mshpc_compiled", "mshpc_eager"), ("ddp_compiled", "ddp_eager")]

@@ -13,15 +13,16 @@ from mshpc.data.prepare import prepare_corpus
 from mshpc.data.shared_ring import MEMFD_NAME
 
 
-def make_random_dataset(tmp_path: Path) -> Path:
-    """A ~6k-token dataset of 20 random-length documents in shards of 1000 tokens; its folder."""
+def make_random_dataset(tmp_path: Path, val_fraction: float = 0.0) -> Path:
+    """A ~6k-token dataset of 20 random-length documents in shards of 1000 tokens, `val_fraction`
+    of them held out in its val/ split; its folder."""
     rng = np.random.default_rng(0)
     root = tmp_path / "random"
     root.mkdir()
     for i in range(20):
         text = rng.integers(ord("a"), ord("z") + 1, size=int(rng.integers(50, 550)), dtype=np.uint8)
         (root / f"doc{i:02d}.txt").write_bytes(text.tobytes())
-    return prepare_corpus([root], tmp_path / "ds", shard_tokens=1000)
+    return prepare_corpus([root], tmp_path / "ds", shard_tokens=1000, val_fraction=val_fraction)
 
 
 def wait_until_full(loader: BatchLoader, depth: int, timeout_s: float = 120.0) -> None:

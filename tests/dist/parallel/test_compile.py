@@ -1,84 +1,134 @@
 """train.compile on 2 gloo ranks: each block compiled by torch.compile (inductor, through the
-fused CPU custom operators) trains like the eager engine, at dp=2 (one graph that both blocks
-share, fullgraph) and at tp=2 (the collectives run eagerly between graphs).
+fused CPU custom operators) trains and validates like the eager engine, through the real train
+step and evaluator (train.build_model_step, evaluate.build_evaluator): at dp=2 (one graph that
+both blocks share, fullgraph), at tp=2 (the collectives run eagerly between graphs) and at pp=2
+with full recomputation (checkpointed blocks compiled, the pipeline's stages fed by its sends).
 
-One spawn runs both layouts, eager then compiled, so the ranks pay torch's start-up once and the
-second compile finds the first's caches: 37 s with a cold inductor cache on a quiet 2-core
-machine, 15 s warm, 96-122 s while seven other test runs shared the machine. Tolerance:
-inductor fuses and reorders the blocks' elementwise work and reductions (rounding differs, fp32), so losses agree to rel 1e-5 and
-parameters to 1e-5 after 3 steps, as the other parity tests allow for reordered sums."""
+Validation runs after the first step and again after the third: under no_grad and eval mode a
+block compiles once more (one inference graph, shared by the blocks), and neither the return to
+training nor the second validation compiles anything: no recompile storm.
+
+One spawn runs every layout, eager then compiled, so the ranks pay torch's start-up once and
+later compiles find the first's caches: 37 s for dp and tp alone with a cold inductor cache on a
+quiet 2-core machine, 15 s warm, 96-122 s while seven other test runs shared the machine;
+the pp=2 layout and the two validations added 29 CPU-s with a cold cache (97 CPU-s for the
+file against 68, both ranks, measured one after the other at a load average of 40-50).
+Tolerance: inductor fuses and reorders the blocks' elementwise work and reductions (rounding
+differs, fp32), so losses agree to rel 1e-5 and parameters to 1e-5 after 3 steps, as the other
+parity tests allow for reordered sums."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from support.rank_runner import run_ranks
+from support.token_data import make_random_dataset
 
-from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.config import Config, DataConfig, EvalConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.data.prepare import val_dataset_path
+from mshpc.data.sampler import SequenceSampler
+from mshpc.data.shards import TokenDataset
+from mshpc.data.window_reader import WindowReader
+from mshpc.evaluate import build_evaluator
 from mshpc.mesh_shape import MeshShape
-from mshpc.model.gpt import GPT
-from mshpc.parallel import comm
-from mshpc.parallel.apply import parallelize
 from mshpc.parallel.compile_blocks import compile_seconds
 from mshpc.parallel.mesh import build_mesh
-from support.rank_runner import run_ranks
+from mshpc.train import Runtime, build_model_step
 
-# the smallest shape with the parts that matter: rmsnorm, parallel block, rope, 2 heads per tp rank
-TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32, parallel_block=True)
+# the smallest shape with the parts that matter: rmsnorm, parallel block, rope, 2 heads per tp
+# rank, 2 layers per pipeline stage; the byte tokenizer's vocabulary
+TINY = ModelConfig(vocab_size=257, seq_len=16, n_layer=4, n_head=4, d_model=32, parallel_block=True)
 GLOBAL_BATCH = 4
 STEPS = 3
+EVAL_AFTER = (1, 3)  # steps done when validation runs: once at the start, once after training on
+
+# name: (parallel config, sequences per micro-batch, micro-batches per step)
+LAYOUTS = {
+    "dp2": (ParallelConfig(dp=2, bucket_mb=8 / 1024), 2, 1),
+    "tp2": (ParallelConfig(tp=2, dp=1, bucket_mb=8 / 1024), 4, 1),
+    "pp2-full-recompute": (ParallelConfig(pp=2, dp=1, activation_checkpointing="full"), 2, 2),
+}
+VALIDATED = ("dp2", "pp2-full-recompute")  # pp=1 scores the whole model, pp=2 through the stages
 
 
-def config(tp: int, dp: int, compile: bool) -> Config:
-    return Config(model=TINY, parallel=ParallelConfig(dp=dp, tp=tp, bucket_mb=8 / 1024),
+def config(layout: str, data: str, compile: bool) -> Config:
+    parallel, micro_batch, grad_accum = LAYOUTS[layout]
+    return Config(model=TINY, parallel=parallel, data=DataConfig(path=data),
                   optim=OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=1.0, eps=1e-6),
-                  train=TrainConfig(micro_batch=GLOBAL_BATCH // dp, compile=compile))
+                  train=TrainConfig(micro_batch=micro_batch, grad_accum=grad_accum, compile=compile),
+                  eval=EvalConfig(interval_steps=2, batches=2))
 
 
-def batch(step: int) -> torch.Tensor:
-    return torch.randint(0, TINY.vocab_size, (GLOBAL_BATCH, TINY.seq_len + 1),
-                         generator=torch.Generator().manual_seed(100 + step))
-
-
-def train(tp: int, dp: int, compile: bool) -> tuple[list[float], list[torch.Tensor]]:
-    mesh = build_mesh(MeshShape(pp=1, dp=dp, tp=tp))
-    cfg = config(tp, dp, compile)
-    torch.manual_seed(0)
-    split = parallelize(GPT(cfg.model), mesh, cfg)
-    losses = []
-    for step in range(STEPS):
-        mine = batch(step).chunk(dp)[mesh.coords.dp]
-        loss = split.loss_fn(split.engine.model(mine[:, :-1]), mine[:, 1:])
-        split.engine.backward(loss, sync=True)
-        comm.all_reduce(loss.detach(), group=split.engine.group)
-        split.engine.step(cfg.optim.grad_clip)
-        losses.append(loss.item() / dp)
-    split.engine.wait_params()
-    return losses, [p.detach().clone() for p in split.engine.model.parameters()]
-
-
-def layouts(rank: int, world: int) -> dict:
+def graphs() -> int:
     from torch._dynamo.utils import counters
 
+    return int(counters["stats"]["unique_graphs"])
+
+
+def train(layout: str, data: str, compile: bool) -> dict:
+    """STEPS steps through the real train step, validated after each of EVAL_AFTER."""
+    cfg = config(layout, data, compile)
+    mesh = build_mesh(MeshShape(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp))
+    engine, step_fn = build_model_step(cfg, mesh, Runtime(torch.device("cpu"), None, None))
+    dataset = TokenDataset.open(Path(data))
+    reader = WindowReader(dataset, SequenceSampler(dataset.n_tokens, TINY.seq_len, cfg.global_batch, 0),
+                          cfg.parallel.dp, None)
+    evaluator = build_evaluator(cfg, mesh, engine, TokenDataset.open(val_dataset_path(cfg.data)),
+                                torch.device("cpu"), None)
+    out: dict = {"losses": [], "val": [], "graphs": []}
+    start = graphs(), compile_seconds()
+    for step in range(STEPS):
+        loss, _ = step_fn(reader.batch(step, mesh.coords.dp))
+        out["losses"].append(loss.item())
+        out["graphs"].append(graphs() - start[0])  # after each step's forward and backward
+        if layout in VALIDATED and step + 1 in EVAL_AFTER:
+            out["val"].append(evaluator.evaluate())
+            out["graphs"].append(graphs() - start[0])
+    engine.wait_params()
+    out["compile_s"] = compile_seconds() - start[1]
+    out["params"] = [p.detach().clone() for p in engine.model.parameters()]
+    evaluator.close()
+    dataset.close()
+    return out
+
+
+def layouts(rank: int, world: int, data: str) -> dict:
     out = {}
-    for name, tp, dp in (("dp2", 1, 2), ("tp2", 2, 1)):
-        eager, eager_params = train(tp, dp, compile=False)
-        before, graphs = compile_seconds(), counters["stats"]["unique_graphs"]
-        compiled, compiled_params = train(tp, dp, compile=True)
-        out[name] = {"eager": eager, "compiled": compiled, "compile_s": compile_seconds() - before,
-                     "graphs": counters["stats"]["unique_graphs"] - graphs,
-                     "param_diff": max((p - q).abs().max().item() for p, q in zip(eager_params, compiled_params, strict=True))}
+    for layout in LAYOUTS:
+        eager, compiled = train(layout, data, compile=False), train(layout, data, compile=True)
+        eager_params, compiled_params = eager.pop("params"), compiled.pop("params")
+        compiled["param_diff"] = max((p - q).abs().max().item()
+                                     for p, q in zip(eager_params, compiled_params, strict=True))
+        out[layout] = {"eager": eager, "compiled": compiled}
     return out
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return run_ranks(layouts, 2, timeout_s=300)
+def ranks(tmp_path_factory) -> list[dict]:
+    data = make_random_dataset(tmp_path_factory.mktemp("compile-data"), val_fraction=0.3)
+    return run_ranks(layouts, 2, str(data), timeout_s=300)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_compiled_blocks_train_like_eager(ranks, layout):
     for r in ranks:
-        got = r[layout]
-        assert got["graphs"] >= 1 and got["compile_s"] > 0, "the blocks must really be compiled"
-        assert got["compiled"] == pytest.approx(got["eager"], rel=1e-5)
-        assert got["param_diff"] < 1e-5
+        eager, compiled = r[layout]["eager"], r[layout]["compiled"]
+        assert eager["graphs"][-1] == 0 and compiled["graphs"][0] >= 1 and compiled["compile_s"] > 0, \
+            "the blocks must really be compiled, and only when asked"
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+        assert compiled["param_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("layout", VALIDATED)
+def test_validation_under_compile_matches_eager_and_compiles_once(ranks, layout):
+    for r in ranks:
+        eager, compiled = r[layout]["eager"], r[layout]["compiled"]
+        assert len(compiled["val"]) == len(EVAL_AFTER)
+        assert compiled["val"] == pytest.approx(eager["val"], rel=1e-5)
+        # graphs after: step 1, validation, step 2, step 3, validation
+        first_step, first_eval, *rest = compiled["graphs"]
+        assert first_step == 1, "identical blocks share one training graph"
+        assert first_eval == 2, "validation compiles one inference graph for every block"
+        assert rest == [2, 2, 2], "nothing recompiles afterwards, in training or validation"
