@@ -142,12 +142,15 @@ def load_library(spec: Recipe, verbose: bool = False) -> tuple[Path, bool]:
         try:
             torch.ops.load_library(str(kept))
             return kept, True
-        except OSError as exc:  # a copy that does not load (a full disk cut it short): rebuild
+        except OSError as exc:  # a kept file damaged since (it is renamed into place whole): rebuild
             log.warning("kernel library %s does not load (%s); building again", kept, exc)
     built = _compile(spec, verbose)
     # Kept only if no input changed during the build, so the key names what was built.
     if library_cache.key(spec) == before:
-        library_cache.keep(built, spec, before)
+        try:
+            library_cache.keep(built, spec, before)
+        except OSError as exc:  # the library is loaded; only the next process's shortcut is lost
+            log.warning("kernel library built but not kept at %s: %s", library_cache.kept_path(spec, before), exc)
     return built, False
 
 

@@ -91,6 +91,9 @@ def keep(built: Path, recipe: Recipe, recipe_key: str) -> Path:
     target = kept_path(recipe, recipe_key)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-    shutil.copyfile(built, partial)
-    os.replace(partial, target)
+    try:
+        shutil.copyfile(built, partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
     return target
