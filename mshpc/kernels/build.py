@@ -1,5 +1,6 @@
 """Build the csrc/ extension just in time with torch.utils.cpp_extension, into a cache that
-later processes reuse, and load its operators (torch.ops.mshpc.*) into this process.
+later processes reuse, and load its operators (torch.ops.mshpc.*) into this process; a process
+whose inputs are unchanged loads the kept library (library_cache) without cpp_extension.
 
 `python -m mshpc.kernels.build` does the same ahead of time (a login node, a container build),
 so that no training rank waits for a compiler.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import platform
 import shutil
 import subprocess
 import time
@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from mshpc.errors import KernelError
+from mshpc.kernels import library_cache
+from mshpc.kernels.library_cache import Recipe, cpu_features
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +45,22 @@ class Loaded:
 
     library: Path
     cuda: bool
-    built_s: float  # seconds spent loading, a build included (cache hits take about one)
+    built_s: float  # seconds spent loading, a build included
+    kept: bool  # loaded the kept library directly, without cpp_extension (library_cache)
 
 
 def sources(cuda: bool) -> list[Path]:
     """The binding, the CPU twins, and with `cuda` the .cu kernels."""
     files = [CSRC / "binding" / "ops.cpp", *sorted((CSRC / "cpu").glob("*.cpp"))]
     return files + (sorted((CSRC / "cuda").glob("*.cu")) if cuda else [])
+
+
+def recipe(cuda: bool) -> Recipe:
+    """The kernels' recipe; every header under csrc/ is hashed, since any source may include it."""
+    headers = sorted(p for p in CSRC.rglob("*") if p.suffix in (".h", ".cuh", ".hpp"))
+    return Recipe(NAME, tuple(sources(cuda)), tuple(headers),
+                  tuple(CPU_FLAGS + (["-DMSHPC_WITH_CUDA"] if cuda else [])), ("-fopenmp",),
+                  tuple(CUDA_FLAGS), cuda, cache_root())
 
 
 def cache_root() -> Path:
@@ -59,16 +70,6 @@ def cache_root() -> Path:
     if (checkout / "pyproject.toml").is_file():
         return checkout / ".cache" / "mshpc" / "kernels"
     return Path.home() / ".cache" / "mshpc" / "kernels"
-
-
-def _cpu_features() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _toolchain() -> str:
@@ -85,13 +86,13 @@ def _toolchain() -> str:
     return " | ".join(lines)
 
 
-def build_dir(cuda: bool) -> Path:
+def build_dir(spec: Recipe) -> Path:
     """One folder per torch build, CUDA or not, CPU kind and toolchain: nothing built for one is
     loaded by another. torch's own hash of the sources and flags inside decides when to rebuild."""
-    identity = f"{torch.__version__}|{torch.version.cuda}|{cuda}|{_cpu_features()}|{_toolchain()}"
+    identity = f"{torch.__version__}|{torch.version.cuda}|{spec.with_cuda}|{cpu_features()}|{_toolchain()}"
     key = hashlib.sha256(identity.encode())
-    tag = f"torch{torch.__version__.split('+')[0]}-{'cuda' if cuda else 'cpu'}-{key.hexdigest()[:12]}"
-    return cache_root() / tag
+    tag = f"torch{torch.__version__.split('+')[0]}-{'cuda' if spec.with_cuda else 'cpu'}-{key.hexdigest()[:12]}"
+    return spec.cache_dir / tag
 
 
 def want_cuda() -> bool:
@@ -99,24 +100,23 @@ def want_cuda() -> bool:
     return torch.version.cuda is not None and torch.cuda.is_available()
 
 
-def _compile(cuda: bool, verbose: bool) -> Path:
+def _compile(spec: Recipe, verbose: bool) -> Path:
+    """Build (ninja decides what is out of date) and load the library with cpp_extension."""
     from torch.utils import cpp_extension
 
-    if not (CSRC / "mshpc_kernels.h").is_file():
-        raise KernelError(f"the kernel sources are not at {CSRC} (a non-editable install leaves csrc/ "
-                          "out: install the checkout with pip install -e)")
-    if cuda and cpp_extension.CUDA_HOME is None:
+    if spec.with_cuda and cpp_extension.CUDA_HOME is None:
         raise KernelError("the CUDA kernels need nvcc, and no CUDA toolkit was found (set CUDA_HOME)")
     if shutil.which("ninja") is None:  # torch runs it from PATH, even for a cached build
         raise KernelError("ninja is not on PATH (pip's ninja is in the venv: activate it, or "
                           "install ninja-build)")
-    folder = build_dir(cuda)
+    folder = build_dir(spec)
     folder.mkdir(parents=True, exist_ok=True)
     try:
         path = cpp_extension.load(
-            name=NAME, sources=[str(s) for s in sources(cuda)], build_directory=str(folder),
-            extra_cflags=CPU_FLAGS + (["-DMSHPC_WITH_CUDA"] if cuda else []), extra_ldflags=["-fopenmp"],
-            extra_cuda_cflags=CUDA_FLAGS, with_cuda=cuda, is_python_module=False, verbose=verbose)
+            name=spec.name, sources=[str(s) for s in spec.sources], build_directory=str(folder),
+            extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
+            extra_cuda_cflags=list(spec.cuda_cflags), with_cuda=spec.with_cuda, is_python_module=False,
+            verbose=verbose)
     except (RuntimeError, OSError, ImportError) as exc:
         report = folder / "build-error.log"
         report.write_text(str(exc))
@@ -131,17 +131,49 @@ def _first_error(text: str) -> str:
     return (errors or lines or ["the build failed without output"])[0][:300]
 
 
+def load_library(spec: Recipe, verbose: bool = False) -> tuple[Path, bool]:
+    """Load the library kept for the recipe's key into this process if there is one, else build
+    it with cpp_extension and keep it; returns its path and whether the kept one was loaded.
+    Call it once per process and recipe: the kept copy is another file than the built one, and
+    loading both would register the operators twice."""
+    before = library_cache.key(spec)
+    kept = library_cache.kept_path(spec, before)
+    if kept.is_file():
+        try:
+            torch.ops.load_library(str(kept))
+            return kept, True
+        except OSError as exc:  # a kept file damaged since (it is renamed into place whole): rebuild
+            log.warning("kernel library %s does not load (%s); building again", kept, exc)
+    built = _compile(spec, verbose)
+    # Kept only if no input changed during the build, so the key names what was built.
+    if library_cache.key(spec) == before:
+        try:
+            library_cache.keep(built, spec, before)
+        except OSError as exc:  # the library is loaded; only the next process's shortcut is lost
+            log.warning("kernel library built but not kept at %s: %s", library_cache.kept_path(spec, before), exc)
+    return built, False
+
+
+# The library loaded into this process, per kind: a second load of it would register twice.
+_LOADED: dict[bool, Loaded] = {}
+
+
 def load(verbose: bool = False) -> Loaded:
-    """Build (or reuse the cached build of) the extension and load its operators and their Python
-    registrations (fake and autograd) into this process. Raises KernelError, one line, when it
-    cannot."""
+    """Build (or reuse the kept build of) the extension and load its operators and their Python
+    registrations (fake and autograd) into this process, once. Raises KernelError, one line,
+    when it cannot."""
     from mshpc.kernels import ops
 
     cuda = want_cuda()
-    start = time.perf_counter()
-    library = _compile(cuda, verbose)
-    ops.register()
-    return Loaded(library, cuda, time.perf_counter() - start)
+    if cuda not in _LOADED:
+        if not (CSRC / "mshpc_kernels.h").is_file():
+            raise KernelError(f"the kernel sources are not at {CSRC} (a non-editable install leaves csrc/ "
+                              "out: install the checkout with pip install -e)")
+        start = time.perf_counter()
+        library, kept = load_library(recipe(cuda), verbose)
+        ops.register()
+        _LOADED[cuda] = Loaded(library, cuda, time.perf_counter() - start, kept)
+    return _LOADED[cuda]
 
 
 def main(argv: list[str] | None = None) -> int:

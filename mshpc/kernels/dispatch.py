@@ -55,6 +55,7 @@ def select_kernels(mode: str) -> Kernels:
                     "(model.fused_kernels=auto): %s", exc)
         return REFERENCE
     kind = "CUDA kernels + CPU twins" if loaded.cuda else "CPU twins (no CUDA here)"
-    log.info("fused kernels: on (model.fused_kernels=%s): %s, ready in %.1f s from %s",
-             mode, kind, loaded.built_s, loaded.library.parent)
+    how = "the kept library" if loaded.kept else "cpp_extension"
+    log.info("fused kernels: on (model.fused_kernels=%s): %s, ready in %.1f s from %s (%s)",
+             mode, kind, loaded.built_s, loaded.library.parent, how)
     return FUSED
