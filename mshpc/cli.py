@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mshpc.errors import ConfigError, LaunchError, MshpcError
+from mshpc.errors import ConfigError, LaunchError, MshpcError, print_error
 
 USER_ERROR_EXIT = 2
 
@@ -391,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except MshpcError as exc:
-        print(f"mshpc: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print_error(exc)
         return USER_ERROR_EXIT
     except KeyboardInterrupt:
         return 130

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,13 @@ class KernelError(MshpcError):
 class RunEnvironmentError(MshpcError):
     """Where the run writes cannot take it (a full disk, a used-up quota): neither the config nor
     the node is at fault, so the supervisor neither retries nor evicts; the CLI exits 2."""
+
+
+def print_error(exc: MshpcError) -> None:
+    """`exc` as the CLI's one line on stderr, in a single write: print() writes the text and its
+    newline separately, and under mpiexec two ranks' lines then run together into one."""
+    sys.stderr.write(f"mshpc: error: {type(exc).__name__}: {exc}\n")
+    sys.stderr.flush()
 
 
 _FULL = {errno.ENOSPC: "no space left on its file system", errno.EDQUOT: "the disk quota is used up"}

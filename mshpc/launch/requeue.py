@@ -27,7 +27,7 @@ from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
 from mshpc.config import Config, SlurmConfig, load_config
-from mshpc.errors import MshpcError
+from mshpc.errors import MshpcError, print_error
 from mshpc.launch.env import LaunchEnv, SlurmEnv, read_launch_env
 from mshpc.run_dir import run_path
 
@@ -280,7 +280,7 @@ def run_batch_helper(args: argparse.Namespace, body: Callable[[Config, LaunchEnv
     try:
         return body(load_config(args.config, args.set), read_launch_env())
     except MshpcError as exc:
-        print(f"mshpc: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print_error(exc)
         return DO_NOT_REQUEUE_EXIT
 
 
