@@ -106,9 +106,12 @@ MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/linux
-# start jobs within about a second of submission or requeue (defaults: 3 s delay, 30 s backfill)
+# start jobs within about a second of submission or requeue (defaults: 3 s delay, 30 s backfill).
+# sched_interval=1 (default 60): a requeued job is held until its BeginTime (cred_expire+1 = 6 s
+# later) and nothing wakes the scheduler then; backfill runs only after a job, node or partition
+# change, so the job waited for the next node ping (SlurmdTimeout/3): 8-10 s instead of 6.
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,bf_interval=1
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,bf_interval=1,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 # 1, not 2: a node set DOWN stays down until resumed (failure tests rely on it)

@@ -57,7 +57,7 @@ def down_mid_run(slurm, corpus_cache, steps: int, nodes: int, spare: int):
 
 
 def test_a_node_set_down_mid_run_is_replaced_by_the_spare(steps_for, slurm, corpus_cache):
-    n = steps_for(25)  # time to take the node down after step 3, and a good part of the run after it
+    n = steps_for(10)  # time to take the node down after step 3 (within about a second) with most of the run left
     job, info, victim, unused, downed = down_mid_run(slurm, corpus_cache, n, nodes=3, spare=1)
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "0"), slurm.batch_log(job)
     run = slurm.cwd / "runs/t"
@@ -75,7 +75,7 @@ def test_a_node_set_down_mid_run_is_replaced_by_the_spare(steps_for, slurm, corp
 
 
 def test_without_a_spare_the_job_is_requeued_without_the_down_node(steps_for, slurm, corpus_cache):
-    n = steps_for(25)  # time to take the node down after step 3, and a good part of the run after it
+    n = steps_for(10)  # time to take the node down after step 3 (within about a second) with most of the run left
     job, info, victim, unused, _ = down_mid_run(slurm, corpus_cache, n, nodes=2, spare=0)
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), slurm.batch_log(job)
     assert victim not in info["NodeList"] and info["ExcNodeList"] == victim  # excluded by the requeue
