@@ -105,7 +105,11 @@ class LoggerProcess:
                 if said is None or "closed" not in said:
                     self._lose("did not close its loggers" if said is None else
                                f"failed closing its loggers: {said['error']}: {said['message']}")
-            self.proc.wait(timeout=CLOSE_TIMEOUT_S)
+            try:
+                self.proc.wait(timeout=CLOSE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # its loggers are closed: nothing is lost by ending it
+                self.proc.kill()
+                self.proc.wait()
         finally:
             for fd in (self.rows_fd, self.status_fd):
                 if fd >= 0:
@@ -216,7 +220,8 @@ def lower_priority(increment: int) -> None:
 
 
 def report(fd: int, **status: Any) -> None:
-    os.write(fd, (json.dumps(status) + "\n").encode())
+    with contextlib.suppress(BrokenPipeError):  # rank 0 is gone: there is no one left to tell
+        os.write(fd, (json.dumps(status) + "\n").encode())
 
 
 def report_error(fd: int, exc: BaseException) -> None:
