@@ -252,6 +252,10 @@ def measure(tmp: Path, args: argparse.Namespace) -> tuple[dict[str, list[list[fl
             gaps[name].append(step_gaps(times, interval))
             window = [s for s in times if s >= WARMUP]
             cpu[name].append(tree.per_step(times[min(window)], times[max(window)], max(window) - min(window)))
+            # each run as it ends: a run cut short still leaves its rounds, and the load they saw
+            emit(metric="run_median_step_s", variant=name, round=r, value=round(statistics.median(gaps[name][-1]), 4),
+                 unit="s", cpu_s_per_step={k: round(v, 5) for k, v in cpu[name][-1].items()},
+                 load_avg_1m=round(os.getloadavg()[0], 1))
     return gaps, cpu
 
 
