@@ -11,6 +11,8 @@ variant per round, the order rotated every round so that machine noise falls on 
     wandb        [jsonl, wandb] (WANDB_MODE=offline)
     all          [jsonl, tensorboard, wandb] and eval
     all_nice0    all, with run.logger_nice_increment=0 (the loggers at the loop's priority)
+    wandb_sdk_in_rank0  [jsonl], and an idle W&B run inside rank 0's process (a sitecustomize
+                 starts it): where W&B ran before the loggers got a process of their own
 
 A step's time is the gap between consecutive steps in rank 0's timings file: everything the loop
 does for the step, the loggers' writes included; runs with eval count only steps that neither
@@ -18,17 +20,19 @@ evaluate nor follow an evaluation. Per variant: the median of its per-round rati
 median step / that round's jsonl run's median step) and their min and max, the spread.
 
 While a run trains, its process tree is read from /proc twice a second: the CPU seconds per
-steady-state step of rank 0's loop thread, rank 0's other threads (gloo's, the loggers'), rank 1,
-W&B's service process (wandb-core and its children) and the rest (supervisor, node relay).
+steady-state step of rank 0's loop thread, rank 0's other threads (gloo's), rank 1, rank 0's
+logger process (TensorBoard, W&B's SDK), W&B's service process (wandb-core and its children) and
+the rest (supervisor, node relay).
 On 2 cores that 2 ranks fill, CPU another process takes is time a rank waits for, and the step
 waits for its slowest rank.
 
-Last, noise-free because it counts CPU seconds, not wall time: each logger set's CPU per row
-in one process (its loop and logger threads, and W&B's service process), and what that adds to a
-step whose work is rank 1's CPU per step in the jsonl runs.
+Last, noise-free because it counts CPU seconds, not wall time: each logger set's CPU per row:
+the writing process's (the loop's pipe write), the logger process's and W&B's service process's
+together, and what that adds to a step whose work is rank 1's CPU per step in the jsonl runs.
 
     .venv/bin/python benchmarks/loggers_eval.py [--rounds 3] [--steps 60] [--interval 10]
     .venv/bin/python benchmarks/loggers_eval.py --rows-only 0.354   # the CPU per row alone
+    .venv/bin/python benchmarks/loggers_eval.py --variants jsonl,wandb,wandb_sdk_in_rank0
 """
 
 from __future__ import annotations
@@ -59,11 +63,28 @@ VARIANTS = {
     "all": (["run.loggers=[jsonl,tensorboard,wandb]"], True),
     # the same at the loop's own priority: what run.logger_nice_increment buys
     "all_nice0": (["run.loggers=[jsonl,tensorboard,wandb]", "run.logger_nice_increment=0"], True),
+    # jsonl alone, but rank 0's process holds an idle W&B run (wandb.init, no row), as it did
+    # before the loggers had a process of their own: what the SDK's mere presence in a rank costs
+    "wandb_sdk_in_rank0": ([], False),
 }
+# Loaded by every process whose PYTHONPATH starts with its folder: only rank 0's `mshpc train`
+# starts a W&B run, before training starts (sys.argv is ["-m", "train", ...] there).
+SDK_IN_RANK0 = """import os, sys
+if os.environ.get("RANK") == "0" and sys.argv[1:2] == ["train"]:
+    import wandb
+    os.makedirs(os.environ["WANDB_DIR"], exist_ok=True)
+    _run = wandb.init(project="bench", dir=os.environ["WANDB_DIR"], mode="offline",
+                      settings=wandb.Settings(silent=True, console="off"))
+"""
 
 
-def offline_env(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(REPO))
+def offline_env(tmp: Path, sdk_in_rank0: bool = False) -> dict[str, str]:
+    path = [str(REPO)]
+    if sdk_in_rank0:
+        (tmp / "sdk_in_rank0").mkdir(exist_ok=True)
+        (tmp / "sdk_in_rank0" / "sitecustomize.py").write_text(SDK_IN_RANK0)
+        path.insert(0, str(tmp / "sdk_in_rank0"))
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=os.pathsep.join(path))
     for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         env[var] = str(tmp / var.lower())
     return env
@@ -104,7 +125,8 @@ class TreeCpu:
             env = (_read(f"/proc/{pid}/environ") or "").split("\0")
             rank = next((e[5:] for e in env if e.startswith("RANK=")), None)
             service = "wandb" in comm or "gpu_stats" in comm
-            kind = "wandb_service" if service else f"rank{rank}" if rank else "other"
+            logger = "mshpc.loggers.logger_process" in (_read(f"/proc/{pid}/cmdline") or "")
+            kind = "wandb_service" if service else "logger_process" if logger else f"rank{rank}" if rank else "other"
             if kind == "other":  # perhaps a rank between fork and exec: look again next time
                 return kind
             self.kinds[pid] = kind
@@ -152,7 +174,7 @@ def train(tmp: Path, name: str, overrides: list[str], steps: int) -> tuple[Path,
     cmd = [sys.executable, "-m", "mshpc", "train", str(REPO / "configs/tiny.yaml"), "--nproc", "2",
            *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=offline_env(tmp), cwd=REPO)
+                            env=offline_env(tmp, name.startswith("wandb_sdk_in_rank0")), cwd=REPO)
     cpu = TreeCpu(proc.pid)
     _, err = proc.communicate(timeout=1800)
     cpu.stop()
@@ -174,7 +196,7 @@ def step_gaps(times: dict[int, float], interval: int) -> list[float]:
 
 
 def children_cpu_s() -> float:
-    """CPU seconds of this process's child processes (W&B's service) and theirs, from /proc."""
+    """CPU seconds of this process's child processes (the logger process, W&B's service), from /proc."""
     ticks = 0
     for pid in descendants(os.getpid()):
         stat = _read(f"/proc/{pid}/stat")
@@ -184,8 +206,8 @@ def children_cpu_s() -> float:
 
 def row_cpu_s(tmp: Path, loggers_set: str, rows: int = 300, idle_s: float = 10.0) -> dict[str, float]:
     """CPU seconds, not wall time (so the machine's other load does not enter), of one row written
-    through `loggers_set` in this process: this process's threads (the loop's and the loggers'),
-    W&B's service process per row, and that service's CPU per second while no row comes."""
+    through `loggers_set` from this process: this process's (the loop's), the logger process's
+    and W&B's service's per row, and theirs per second while no row comes."""
     os.environ.update(offline_env(tmp))
     from mshpc.config import load_config
     from mshpc.loggers.sinks import build_loggers
@@ -204,12 +226,12 @@ def row_cpu_s(tmp: Path, loggers_set: str, rows: int = 300, idle_s: float = 10.0
     service, start, wall = children_cpu_s(), time.process_time(), time.perf_counter()
     for step in range(1, rows + 1):
         loggers.write({"step": step, **row})
-    time.sleep(SETTLE_S)  # the side threads and the service finish the rows (well under a second)
+    time.sleep(SETTLE_S)  # the logger process and the service finish the rows (well under a second)
     threads = (time.process_time() - start) / rows
     served = children_cpu_s() - service - idle * (time.perf_counter() - wall)
     loggers.close()
-    return {"threads_s_per_row": threads, "service_s_per_row": max(0.0, served / rows),
-            "service_idle_s_per_s": idle}
+    return {"loop_s_per_row": threads, "logger_processes_s_per_row": max(0.0, served / rows),
+            "logger_processes_idle_s_per_s": idle}
 
 
 def emit(**fields: object) -> None:
@@ -218,7 +240,7 @@ def emit(**fields: object) -> None:
 
 def measure(tmp: Path, args: argparse.Namespace) -> tuple[dict[str, list[list[float]]], dict[str, list[dict[str, float]]]]:
     """Per variant: each round's step gaps, and each round's CPU seconds per step by part."""
-    names = list(VARIANTS)
+    names = args.variants
     gaps: dict[str, list[list[float]]] = {n: [] for n in names}
     cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -230,6 +252,10 @@ def measure(tmp: Path, args: argparse.Namespace) -> tuple[dict[str, list[list[fl
             gaps[name].append(step_gaps(times, interval))
             window = [s for s in times if s >= WARMUP]
             cpu[name].append(tree.per_step(times[min(window)], times[max(window)], max(window) - min(window)))
+            # each run as it ends: a run cut short still leaves its rounds, and the load they saw
+            emit(metric="run_median_step_s", variant=name, round=r, value=round(statistics.median(gaps[name][-1]), 4),
+                 unit="s", cpu_s_per_step={k: round(v, 5) for k, v in cpu[name][-1].items()},
+                 load_avg_1m=round(os.getloadavg()[0], 1))
     return gaps, cpu
 
 
@@ -240,8 +266,8 @@ def emit_rows(tmp: Path, step_s: float) -> None:
     sets = ["jsonl", "jsonl,tensorboard", "jsonl,wandb", "jsonl,tensorboard,wandb"]
     cost = {name: row_cpu_s(tmp, name) for name in sets}
     for name in sets:
-        c, base = cost[name], cost["jsonl"]["threads_s_per_row"]
-        added = c["threads_s_per_row"] - base + c["service_s_per_row"] + c["service_idle_s_per_s"] * step_s
+        c, base = cost[name], cost["jsonl"]["loop_s_per_row"]
+        added = c["loop_s_per_row"] - base + c["logger_processes_s_per_row"] + c["logger_processes_idle_s_per_s"] * step_s
         emit(metric=f"cpu_s_per_row_{name.replace(',', '_')}", unit="s",
              value={k: round(v, 6) for k, v in c.items()}, baseline=round(step_s, 4),
              added_cpu_s_per_step=round(added, 6), ratio=round(1 + added / step_s, 5))
@@ -252,6 +278,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=10)
+    parser.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS),
+                        help=f"comma-separated, jsonl first (default: {','.join(VARIANTS)})")
     parser.add_argument("--rows-only", type=float, metavar="STEP_S", default=None,
                         help="only the CPU per row, against a step of STEP_S seconds (no training runs)")
     args = parser.parse_args()
@@ -262,7 +290,7 @@ def main() -> None:
             return
         gaps, cpu = measure(tmp, args)
         base = [statistics.median(g) for g in gaps["jsonl"]]
-        for variant in VARIANTS:
+        for variant in args.variants:
             ratios = [statistics.median(g) / b for g, b in zip(gaps[variant], base, strict=True)]
             emit(metric=f"step_time_{variant}_vs_jsonl_only", value=round(statistics.median(sum(gaps[variant], [])), 4),
                  unit="s", baseline=round(statistics.median(sum(gaps["jsonl"], [])), 4),

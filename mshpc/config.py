@@ -163,9 +163,10 @@ class RunConfig:
     # WANDB_MODE=offline; pip install 'mshpc[wandb]')
     loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
     wandb_project: str = "mshpc"  # the W&B project runs are logged under (the run is run.name)
-    # how much lower than the train loop TensorBoard's and W&B's work runs (a Linux nice
-    # increment for their threads and W&B's service process, capped at nice 19): they then take
-    # a core from the ranks only when one is idle; 0 runs them at the loop's priority
+    # how much lower than the train loop TensorBoard and W&B run (a nice increment, capped at
+    # 19, for every thread of rank 0's logger process and of W&B's service process, applied once
+    # they have started): they then take a core from the ranks only when one is idle; 0 runs
+    # them at the loop's priority
     logger_nice_increment: int = _min(0, 10)
 
 

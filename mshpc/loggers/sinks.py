@@ -9,14 +9,8 @@ restart events the supervisor wrote between attempts, and nothing twice.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import os
-import queue
-import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,70 +72,6 @@ class EventTail:
         return records
 
 
-def lower_thread_priority(increment: int) -> None:
-    """Raise the calling thread's nice value by `increment` (Linux nice values are per thread and
-    inherited by the threads and processes it starts); elsewhere nothing."""
-    if increment == 0 or sys.platform != "linux":
-        return  # there, PRIO_PROCESS with a thread id would renice the whole process or fail
-    tid = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-
-
-class BackgroundLogger:
-    """Builds a logger on a side thread and runs its writes there, in order: a TensorBoard row
-    (protobufs) or a W&B row (a message to its service process) costs milliseconds, which the step
-    must not wait for. The thread runs `nice_increment` lower (what the logger starts inherits
-    it): a row can wait, a step cannot. An error while building is raised here; one while
-    writing, by the next call on the loop's thread."""
-
-    def __init__(self, build: Callable[[], Logger], name: str, nice_increment: int = 0) -> None:
-        self.name = name
-        self._queue: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
-        self._error: BaseException | None = None
-        self._built = threading.Event()  # set once built, or failed to
-        self._thread = threading.Thread(target=self._run, args=(build, nice_increment), name=f"mshpc-{name}", daemon=True)
-        self._thread.start()
-        self._built.wait()
-        if self._error is not None:
-            self._thread.join()
-            self._raise()
-
-    def _run(self, build: Callable[[], Logger], nice_increment: int) -> None:
-        try:
-            lower_thread_priority(nice_increment)
-            self.logger = build()  # here, so that what it starts inherits the lowered priority
-        except BaseException as exc:  # raised by the constructor, on the loop's thread
-            self._error = exc
-            return
-        finally:
-            self._built.set()
-        while (item := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    getattr(self.logger, item[0])(*item[1])
-                except BaseException as exc:  # handed to the loop's thread, raised there
-                    self._error = exc
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def write(self, row: dict[str, Any]) -> None:
-        self._raise()
-        self._queue.put(("write", (row,)))
-
-    def event(self, record: dict[str, Any], step: int) -> None:
-        self._raise()
-        self._queue.put(("event", (record, step)))
-
-    def close(self) -> None:
-        self._queue.put(("close", ()))
-        self._queue.put(None)
-        self._thread.join()  # a W&B run finishes here: its last rows reach the disk
-        self._raise()
-
-
 class Loggers:
     """Every configured logger; metrics.jsonl first. Events go to the loggers after jsonl (whose
     events are events.jsonl itself)."""
@@ -174,29 +104,20 @@ class Loggers:
 
 
 def build_loggers(cfg: Config, run_dir: Path, jsonl: MetricsLog, start_step: int) -> Loggers:
-    """Start the loggers `run.loggers` names beside `jsonl`; one that cannot start (its package
-    missing, its folder unwritable) raises a one-line MshpcError with the fix."""
-    others: list[Logger] = []
-    nice = cfg.run.logger_nice_increment
-    try:  # nothing half-started is left open: the loggers started so far, and metrics.jsonl
+    """Start the loggers `run.loggers` names beside `jsonl`, in their own process
+    (`logger_process.py`); one that cannot start (its package missing, its folder unwritable)
+    raises a one-line MshpcError with the fix."""
+    if set(cfg.run.loggers) == {"jsonl"}:
+        return Loggers(jsonl, [], None)
+    from mshpc.loggers.logger_process import start_logger_process
 
-        for name in cfg.run.loggers:
-            if name == "tensorboard":
-                from mshpc.loggers.tensorboard_log import TensorBoardLogger
-
-                others.append(BackgroundLogger(functools.partial(TensorBoardLogger, run_dir / "tb"), name, nice))
-            elif name == "wandb":
-                from mshpc.loggers.wandb_log import WandbLogger
-
-                others.append(BackgroundLogger(functools.partial(WandbLogger, cfg, run_dir, start_step), name, nice))
+    try:
+        others: list[Logger] = [start_logger_process(cfg, run_dir, start_step)]
     except BaseException:
-        for logger in others:
-            logger.close()
-        jsonl.close()
+        jsonl.close()  # nothing half-started is left open
         raise
-    if others:
-        log.info("loggers: %s", ", ".join(cfg.run.loggers))
-    return Loggers(jsonl, others, EventTail(run_dir) if others else None)
+    log.info("loggers: %s (in a process of their own)", ", ".join(cfg.run.loggers))
+    return Loggers(jsonl, others, EventTail(run_dir))
 
 
 def describe(record: dict[str, Any]) -> str:
