@@ -251,13 +251,13 @@ def eviction_candidates(run_dir: Path, cfg: DiagnoseConfig | None = None) -> lis
 
 class StragglerWatch:
     """Rank 0's live detector, on its timings thread: every `straggler_check_interval_steps` it
-    reads what each rank's watch stream (watch_stream.py) gained since the last look, never a
-    byte twice, and feeds the steps every rank has written; each newly flagged rank becomes a
+    reads what the watch files (watch_stream.py, one per node) gained since the last look, each
+    record once, and feeds the steps every rank has written; each newly flagged rank becomes a
     `straggler` event. Only then are phases read, one JSON line per rank, to name its phase."""
 
     def __init__(self, run_dir: Path, world_size: int, cfg: DiagnoseConfig, start_step: int) -> None:
         self.run_dir, self.world_size, self.cfg = run_dir, world_size, cfg
-        self._stream = StreamReader(run_dir, world_size)
+        self._stream = StreamReader(run_dir, world_size, start_step, cfg.watch_ranks_per_file)
         self._pending = np.zeros(0, RECORD)  # records of steps not every rank has written yet
         self._pending_rows = np.zeros(0, np.int64)
         self._last_step = np.full(world_size, -1, np.int64)  # the latest step each rank wrote
@@ -267,16 +267,16 @@ class StragglerWatch:
     def after_write(self, step: int) -> None:
         interval = self.cfg.straggler_check_interval_steps
         if interval and step % interval == 0:
-            self.poll()
+            self.poll(step + interval)  # the others may be a step or two ahead of rank 0
 
-    def poll(self) -> list[Straggler]:
-        """Read, detect, append events; returns the ranks newly flagged."""
-        records, rows = self._stream.read_new()
+    def poll(self, up_to_step: int | None = None) -> list[Straggler]:
+        """Read (to `up_to_step`), detect, append events; returns the ranks newly flagged."""
+        records, rows = self._stream.read_new(up_to_step)
         np.maximum.at(self._last_step, rows, records["step"])
         self._pending = np.concatenate([self._pending, records])
         self._pending_rows = np.concatenate([self._pending_rows, rows])
         heads = self._stream.heads
-        if any(h is None for h in heads):
+        if not self._stream.all_started():
             return []
         if self._detector is None:
             self._detector = StragglerDetector(self.cfg, [rank_info(h) for h in heads if h is not None])
@@ -294,10 +294,14 @@ class StragglerWatch:
         flush theirs as they close, moments apart from rank 0) or `timeout_s` passes, so that the
         last look judges the run's last steps instead of whatever the flush interval let through."""
         deadline = time.monotonic() + timeout_s
-        flagged = self.poll()
+        flagged = self.poll(step)
         while self._next_step <= step and time.monotonic() < deadline:  # not every rank's `step` yet
             time.sleep(FINAL_POLL_S)
-            flagged += self.poll()
+            flagged += self.poll(step)
+        if self._next_step <= step:
+            behind = self._stream.behind(step)
+            log.warning("straggler watch: %d rank(s) never recorded step %d, its last %d step(s) not judged: "
+                        "ranks %s", len(behind), step, step + 1 - self._next_step, _some(behind))
         return flagged
 
     def _feed(self, frontier: int) -> list[Straggler]:
@@ -329,6 +333,12 @@ class StragglerWatch:
 
     def close(self) -> None:
         self._stream.close()
+
+
+def _some(ranks: list[int], most: int = 16) -> str:
+    """The first `most` of a list of ranks, and how many more."""
+    shown = ", ".join(map(str, ranks[:most]))
+    return shown + (f" and {len(ranks) - most} more" if len(ranks) > most else "")
 
 
 def _line_at(path: Path, offset: int) -> bytes:
