@@ -260,7 +260,6 @@ class StragglerWatch:
         self._stream = StreamReader(run_dir, world_size, start_step, cfg.watch_ranks_per_file)
         self._pending = np.zeros(0, RECORD)  # records of steps not every rank has written yet
         self._pending_rows = np.zeros(0, np.int64)
-        self._last_step = np.full(world_size, -1, np.int64)  # the latest step each rank wrote
         self._detector: StragglerDetector | None = None
         self._next_step = start_step + 1  # earlier steps were judged by the process that trained them
 
@@ -272,16 +271,16 @@ class StragglerWatch:
     def poll(self, up_to_step: int | None = None) -> list[Straggler]:
         """Read (to `up_to_step`), detect, append events; returns the ranks newly flagged."""
         records, rows = self._stream.read_new(up_to_step)
-        np.maximum.at(self._last_step, rows, records["step"])
-        self._pending = np.concatenate([self._pending, records])
-        self._pending_rows = np.concatenate([self._pending_rows, rows])
+        if len(self._pending):  # (a copy of every record read, when it is not needed, cost 5%)
+            records, rows = np.concatenate([self._pending, records]), np.concatenate([self._pending_rows, rows])
+        self._pending, self._pending_rows = records, rows
         heads = self._stream.heads
         if not self._stream.all_started():
             return []
         if self._detector is None:
             self._detector = StragglerDetector(self.cfg, [rank_info(h) for h in heads if h is not None])
         # Every rank writes its steps in order: the steps all have written end at the least latest.
-        frontier = int(self._last_step.min())
+        frontier = int(self._stream.last_steps().min())
         flagged = self._feed(frontier) if frontier >= self._next_step else []
         for s in flagged:
             log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
@@ -309,14 +308,18 @@ class StragglerWatch:
         records of later steps wait for the next check."""
         assert self._detector is not None
         records, rows = self._pending, self._pending_rows
-        later = records["step"] > frontier
+        steps = records["step"]
+        later = steps > frontier
         self._pending, self._pending_rows = records[later], rows[later]
-        cols = records["step"] - self._next_step
-        keep = (cols >= 0) & ~later
+        n_steps = frontier + 1 - self._next_step
+        keep = (steps >= self._next_step) & ~later
+        if not keep.all():
+            records, rows, steps = records[keep], rows[keep], steps[keep]
+        at = rows * n_steps + (steps - self._next_step)  # where each record goes in a (ranks, steps) grid
         grids = {}
         for field in ("step_s", "compute", "data_wait", "line_offset"):
-            grids[field] = np.full((self.world_size, frontier + 1 - self._next_step), np.nan)
-            grids[field][rows[keep], cols[keep]] = records[field][keep]
+            grids[field] = np.full((self.world_size, n_steps), np.nan)
+            grids[field].ravel()[at] = records[field]
         complete = np.flatnonzero(~np.isnan(grids["step_s"]).any(axis=0))  # a step some rank lacks is not judged
         steps, offsets = self._next_step + complete, grids["line_offset"][:, complete]
         seconds = {"compute": grids["compute"][:, complete], "data wait": grids["data_wait"][:, complete]}

@@ -128,6 +128,10 @@ class StreamReader:
         """Ranks whose header has not been read yet (not started, or not in this run)."""
         return [r for r, h in enumerate(self.heads) if h is None]
 
+    def last_steps(self) -> np.ndarray:
+        """(ranks,) the latest step read of each rank (the start step: none yet)."""
+        return self._last
+
     def behind(self, step: int) -> list[int]:
         """Ranks whose records have not reached `step`."""
         return np.flatnonzero(self._last < step).tolist()
@@ -148,8 +152,9 @@ class StreamReader:
             chunks.append(chunk)
             counts[g] = len(chunk) // RECORD.itemsize
         records = np.frombuffer(b"".join(chunks), dtype=RECORD)
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        ranks = np.repeat(np.arange(len(self._paths)) * self.group, counts) + (np.arange(len(records)) - starts) % self.group
+        # rows of G slots, file by file: slot i of file f's row is rank f * G + i
+        firsts = np.repeat(np.arange(len(self._paths)) * self.group, counts // self.group)
+        ranks = (firsts[:, None] + np.arange(self.group)).ravel()
         keep = self._take(records, ranks)
         return records[keep], ranks[keep]
 
@@ -162,24 +167,26 @@ class StreamReader:
         return np.where(have.any(axis=1), rows, -1)
 
     def _take(self, records: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-        """Which records to return: whole (their check word holds), new, and each rank's in an
-        unbroken run from its last step on; a rank's record missing behind later ones (torn
-        while being read, or never written) holds the later ones back for GAP_CHECKS looks."""
+        """The indices of the records to return: whole (their check word holds), new, and each
+        rank's in an unbroken run from its last step on; a rank's record missing behind later
+        ones (torn while being read, or never written) holds those back for GAP_CHECKS looks."""
         ranks = np.minimum(ranks, self.world_size - 1)  # the padding slots of the last file fail the check
-        fresh = records["step"] > self._last[ranks]
-        ok = fresh & (records["check"] == check_words(records, self._nonces[ranks])) & (self._nonces[ranks] != 0)
-        ahead = (records["step"] - self._last[ranks] - 1)[ok]  # 0: the next step
+        step, last, nonce = records["step"], self._last[ranks], self._nonces[ranks]
+        ok = np.flatnonzero((step > last) & (nonce != 0) & (records["check"] == check_words(records, nonce)))
+        r, ahead = ranks[ok], step[ok] - last[ok] - 1  # ahead 0: the rank's next step
         seen = np.zeros((int(ahead.max(initial=-1)) + 2, self.world_size), bool)
-        seen[ahead, ranks[ok]] = True
+        seen[ahead, r] = True
         run = seen.argmin(axis=0)  # each rank's unbroken run from its next step
+        in_run = ahead < run[r]
         gap = np.zeros(self.world_size, bool)
-        gap[ranks[ok][ahead > run[ranks[ok]]]] = True
+        gap[r[~in_run]] = True
         self._gaps = np.where(gap, self._gaps + 1, 0)
-        take = np.zeros(len(records), bool)
-        take[ok] = (ahead < run[ranks[ok]]) | (self._gaps[ranks[ok]] >= GAP_CHECKS)
-        self._gaps[self._gaps >= GAP_CHECKS] = 0
-        np.maximum.at(self._last, ranks[take], records["step"][take])
-        return take
+        self._last += run  # a rank's steps come one after the other: its run ends at last + run
+        skip = self._gaps[r] >= GAP_CHECKS  # given up on the missing step: take the later ones too
+        if skip.any():
+            np.maximum.at(self._last, r[skip], step[ok][skip])
+            self._gaps[r[skip]] = 0
+        return ok[in_run | skip]
 
     def _read_heads(self, g: int, fd: int) -> None:
         """The header slots of file g not read yet, those written whole."""
