@@ -310,7 +310,7 @@ class StragglerWatch:
         records, rows = self._pending, self._pending_rows
         steps = records["step"]
         later = steps > frontier
-        self._pending, self._pending_rows = records[later], rows[later]
+        self._pending, self._pending_rows = (records[later], rows[later]) if later.any() else (records[:0], rows[:0])
         n_steps = frontier + 1 - self._next_step
         keep = (steps >= self._next_step) & ~later
         if not keep.all():

@@ -156,6 +156,8 @@ class StreamReader:
         firsts = np.repeat(np.arange(len(self._paths)) * self.group, counts // self.group)
         ranks = (firsts[:, None] + np.arange(self.group)).ravel()
         keep = self._take(records, ranks)
+        if len(keep) == len(records):  # every record new and whole (the usual look): no copy
+            return records, ranks
         return records[keep], ranks[keep]
 
     def _first_rows(self) -> np.ndarray:
