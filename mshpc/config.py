@@ -212,6 +212,9 @@ class DiagnoseConfig:
     # almost empty phase is not slowness)
     straggler_floor: float = _min(0.0, 0.05)
     straggler_check_interval_steps: int = _min(0, 10)  # rank 0 reads every rank's watch/ stream this often; 0: never (and no stream written)
+    # ranks that share one watch/ file (rank // this; a node's GPUs, so that each file is written from
+    # one node): rank 0's check reads world / this files, not one per rank
+    watch_ranks_per_file: int = _min(1, 8)
     mfu_window_steps: int = _min(1, 20)  # rolling median of achieved TFLOP/s ...
     mfu_decline: float = 0.1  # ... an event when it falls this fraction below the run's best
 

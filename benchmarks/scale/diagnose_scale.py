@@ -1,10 +1,11 @@
 """Straggler detection and `mshpc diagnose` at N = 8 ... 12,288 ranks (issue #20, part 3).
 
 Per N (nodes of 8, the 175B layout of synthetic_run.py, one rank 30% slower from step 100):
-- rank 0's cost per straggler check: the real `StragglerWatch.poll` after every rank's
-  timings file and watch stream grew by `interval` steps (the default check interval), median of `checks` checks; as a
-  share of a 5 s step, per check and per step (the check runs every `interval` steps, on rank
-  0's timings thread, not the train loop's);
+- rank 0's cost per straggler check: the real `StragglerWatch` check after every rank's
+  timings file and watch record grew by `interval` steps (the default check interval), median
+  of `checks` checks, with the watch files of a node of 8 ranks (the default), beside the same
+  check over a file per rank (the baseline); as a share of a 5 s step, per check and per step
+  (the check runs every `interval` steps, on rank 0's timings thread, not the train loop's);
 - `mshpc diagnose RUN_DIR` on N ranks x `steps` steps, in a child process: wall time and peak
   resident memory (the child's ru_maxrss).
 Then the growth exponent of each against N (log-log slope). JSON lines on stdout.
@@ -36,7 +37,7 @@ from mshpc.config import DiagnoseConfig  # noqa: E402
 from mshpc.diagnose.stragglers import StragglerWatch  # noqa: E402
 from mshpc.diagnose.timers import category  # noqa: E402
 from mshpc.diagnose.timings import RankInfo, header, rank_file  # noqa: E402
-from mshpc.diagnose.watch_stream import RECORD, StreamWriter, stream_file  # noqa: E402
+from mshpc.diagnose.watch_stream import StreamWriter  # noqa: E402
 
 STEP_S = 5.0  # the paper's step at 12,288 GPUs is of this order; the target is 1% of it
 
@@ -50,47 +51,54 @@ def slope(ns: list[int], values: list[float]) -> float:
     return round(float(np.polyfit(np.log(ns), np.log(values), 1)[0]), 3)
 
 
-def check_cost(work: Path, n: int, interval: int, checks: int) -> float:
-    """Median CPU seconds of one StragglerWatch.poll once every rank wrote `interval` more steps
-    (CPU, not wall: on this shared machine the wall time measures the other tenants)."""
+def check_cost(work: Path, n: int, interval: int, checks: int, ranks_per_file: int) -> float:
+    """Median CPU seconds of one StragglerWatch check (`after_write` at a multiple of the
+    interval) once every rank wrote `interval` more steps (CPU, not wall: on this shared machine
+    the wall time measures the other tenants)."""
     shutil.rmtree(work, ignore_errors=True)
     shape = shape_for(n)
     rng = np.random.default_rng(1)
     steps = interval * (checks + 1)
     common = rng.lognormal(0, 0.03, steps)
-    lines, records = [], []
+    lines, records, writers = [], [], []
     for rank in range(n):
         info = RankInfo(rank, f"node{rank // NODE_SIZE:04d}", shape.coords(rank))
         path = rank_file(work, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(header(info, "cuda", 0)) + "\n")
-        StreamWriter(stream_file(work, rank), header(info, "cuda", 0)).close()
+        writers.append(StreamWriter(work, rank, header(info, "cuda", 0), 0, ranks_per_file))
+        writers[-1].close()  # its header is written; its records below, without 12,288 descriptors held
         lines.append(rank_lines(rank, steps, common, rng, rank == n // 2, 1, 1.3, 0.03))
         records.append(watch_records(lines[-1], path.stat().st_size))
-    watch = StragglerWatch(work, n, DiagnoseConfig(straggler_check_interval_steps=interval), start_step=0)
+    cfg = DiagnoseConfig(straggler_check_interval_steps=interval, watch_ranks_per_file=ranks_per_file)
+    watch = StragglerWatch(work, n, cfg, start_step=0)
     costs = []
     for c in range(checks + 1):
         for rank in range(n):
             with rank_file(work, rank).open("a") as f:
                 f.writelines(lines[rank][c * interval:(c + 1) * interval])
-            with stream_file(work, rank).open("ab") as fb:
-                fb.write(records[rank][c * interval:(c + 1) * interval].tobytes())
+            for record in records[rank][c * interval:(c + 1) * interval]:
+                writers[rank].add(*record)
+            fd = os.open(writers[rank].path, os.O_WRONLY)
+            for offset, data in writers[rank].take_encoded():  # what its flush writes
+                os.pwrite(fd, data, offset)
+            os.close(fd)
         start = time.process_time()
-        watch.poll()
-        if c:  # the first check also builds the detector
+        watch.after_write((c + 1) * interval)
+        if c:  # the first check also reads the headers and builds the detector
             costs.append(time.process_time() - start)
     watch.close()
     shutil.rmtree(work, ignore_errors=True)
     return statistics.median(costs)
 
 
-def watch_records(lines: list[str], offset: int) -> np.ndarray:
-    """The watch stream's records of one rank's step lines (what its timings thread writes)."""
-    out = np.zeros(len(lines), RECORD)
-    for i, line in enumerate(lines):
+def watch_records(lines: list[str], offset: int) -> list[tuple[int, float, float, float, int]]:
+    """The watch records of one rank's step lines (what its timings thread adds)."""
+    out = []
+    for line in lines:
         r = json.loads(line)
-        blamed = [sum(v for p, v in r["phases"].items() if category(p) == c) for c in ("compute", "data wait")]
-        out[i] = (r["step"], r["step_s"], *blamed, offset)
+        compute, data_wait = (sum(v for p, v in r["phases"].items() if category(p) == c) for c in ("compute", "data wait"))
+        out.append((r["step"], r["step_s"], compute, data_wait, offset))
         offset += len(line)
     return out
 
@@ -119,13 +127,19 @@ def main() -> None:
     ap.add_argument("--checks", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/mshpc-scale-diagnose"))
     ap.add_argument("--check-only", action="store_true", help="only the straggler check, not diagnose")
+    ap.add_argument("--no-baseline", dest="baseline", action="store_false",
+                    help="skip the check over a file per rank")
     ap.add_argument("--keep", action="store_true", help="keep the run directories (report/ to look at)")
     args = ap.parse_args()
     per_check, walls, peaks = [], [], []
     for n in sorted(args.n):
-        cost = check_cost(args.work / f"watch-{n}", n, args.interval, args.checks)
+        cost = check_cost(args.work / f"watch-{n}", n, args.interval, args.checks, NODE_SIZE)
+        # the same check over a file per rank (what a check read before the per-node files)
+        base = check_cost(args.work / f"watch-{n}", n, args.interval, args.checks, 1) if args.baseline else None
         per_check.append(cost)
-        emit(metric="straggler_check_s", value=round(cost, 4), unit="s", N=n, interval_steps=args.interval,
+        emit(metric="straggler_check_s_vs_file_per_rank", value=round(cost, 4), unit="s", N=n,
+             interval_steps=args.interval, files=-(-n // NODE_SIZE),
+             baseline=round(base, 4) if base else None, ratio=round(cost / base, 3) if base else None,
              share_of_5s_step_per_check=round(cost / STEP_S, 5),
              share_of_5s_step_per_step=round(cost / args.interval / STEP_S, 5))
         if args.check_only:

@@ -13,7 +13,7 @@ from mshpc.diagnose.mfu import MfuDeclineDetector, achieved_tflops
 from mshpc.diagnose.stragglers import StragglerWatch
 from mshpc.diagnose.timers import TIMERS
 from mshpc.diagnose.timings import RankInfo, TimingsWriter, header, rank_file
-from mshpc.diagnose.watch_stream import StreamWriter, stream_file
+from mshpc.diagnose.watch_stream import StreamWriter
 from mshpc.events import append_event
 from mshpc.mesh_shape import MeshShape
 
@@ -85,7 +85,8 @@ def build_collector(cfg: Config, run_dir: Path, rank: int, host: str, device: to
     if d.timers:
         head = header(RankInfo(rank, host, coords), TIMERS.clock_name, start_step)
         # the watch stream is written only for a watch to read it
-        stream = StreamWriter(stream_file(run_dir, rank), head) if d.straggler_check_interval_steps else None
+        stream = (StreamWriter(run_dir, rank, head, start_step, d.watch_ranks_per_file)
+                  if d.straggler_check_interval_steps else None)
         writer = TimingsWriter(rank_file(run_dir, rank), head, d.flush_interval_s,
                                straggler_watch.after_write if straggler_watch else lambda step: None, stream)
     mfu_watch = MfuDeclineDetector(d.mfu_window_steps, d.mfu_decline) if rank == 0 else None

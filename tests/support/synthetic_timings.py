@@ -52,23 +52,24 @@ def write_files(run_dir, records, start_step=0):
 
 
 
-def watch_lines(run_dir, records):
-    """Start every rank's timings file and watch stream (as a new process does) and return, per
-    rank, each step's (JSON line, watch record) bytes to append, the record pointing at its line."""
+def watch_lines(run_dir, records, ranks_per_file=4):
+    """Start every rank's timings file and watch stream writer (as a new process does) and return
+    (per rank, each step's JSON line bytes and watch record fields, the record pointing at its
+    line; the writers)."""
     from mshpc.diagnose.timers import category
-    from mshpc.diagnose.watch_stream import RECORD, StreamWriter, stream_file
+    from mshpc.diagnose.watch_stream import StreamWriter
 
-    out = []
+    out, writers = [], []
     for info, recs in zip(ranks(), records, strict=True):
         path = rank_file(run_dir, info.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(header(info, "cpu", 0)) + "\n")
-        StreamWriter(stream_file(run_dir, info.rank), header(info, "cpu", 0)).close()
+        writers.append(StreamWriter(run_dir, info.rank, header(info, "cpu", 0), 0, ranks_per_file))
         offset, steps = path.stat().st_size, []
         for r in recs.values():
             line = (json.dumps(r) + "\n").encode()
             blamed = [sum(v for p, v in r["phases"].items() if category(p) == c) for c in ("compute", "data wait")]
-            steps.append((line, np.array([(r["step"], r["step_s"], *blamed, offset)], RECORD).tobytes()))
+            steps.append((line, (r["step"], r["step_s"], *blamed, offset)))
             offset += len(line)
         out.append(steps)
-    return out
+    return out, writers

@@ -1,6 +1,7 @@
 """The straggler detector on synthetic timings, fed through the same file format and arrays the
 real runs use."""
 
+import os
 import threading
 import time
 
@@ -10,7 +11,6 @@ import pytest
 from mshpc.config import DiagnoseConfig
 from mshpc.diagnose.stragglers import StragglerWatch, detect, eviction_candidates, median_of_others
 from mshpc.diagnose.timings import rank_file, to_arrays
-from mshpc.diagnose.watch_stream import stream_file
 from mshpc.events import read_events
 from support.synthetic_timings import MESH, ranks, synthetic, watch_lines, write_files
 
@@ -82,45 +82,52 @@ def test_eviction_candidates_from_the_run_directory(tmp_path):
 
 def test_live_watch_reads_growing_files_and_writes_one_event(tmp_path):
     records = synthetic(100, 4, slow_rank=3, slow_from=20, factor=1.5)
-    cfg = DiagnoseConfig()
+    cfg = DiagnoseConfig(watch_ranks_per_file=4)
     watch = StragglerWatch(tmp_path, MESH.world_size, cfg, start_step=0)
-    steps = watch_lines(tmp_path, records)
-    for lo in range(0, 100, 25):  # steps in chunks, the last watch record torn
+    steps, writers = watch_lines(tmp_path, records)
+    fds = [os.open(w.path, os.O_WRONLY) for w in writers]
+    for lo in range(0, 100, 25):  # steps in chunks, each rank's last watch record torn
+        torn = []
         for r in range(MESH.world_size):
-            lines, recs = zip(*steps[r][lo:lo + 25], strict=True)
+            _append(tmp_path, steps, writers, r, lo, lo + 24)
             with rank_file(tmp_path, r).open("ab") as f:
-                f.write(b"".join(lines))
-            with stream_file(tmp_path, r).open("ab") as f:
-                f.write(b"".join(recs)[:-7])  # half a record now ...
+                f.write(steps[r][lo + 24][0])
+            writers[r].add(*steps[r][lo + 24][1])
+            [(offset, data)] = writers[r].take_encoded()
+            os.pwrite(fds[r], data[:-7], offset)  # half a record now ...
+            torn.append((offset + len(data) - 7, data[-7:]))
         watch.poll()
-        for r in range(MESH.world_size):
-            with stream_file(tmp_path, r).open("ab") as f:
-                f.write(steps[r][lo + 24][1][-7:])  # ... the rest later
+        for fd, (offset, rest) in zip(fds, torn, strict=True):
+            os.pwrite(fd, rest, offset)  # ... the rest later
     watch.poll()
     watch.close()
+    for fd, w in zip(fds, writers, strict=True):
+        os.close(fd)
+        w.close()
     events = [e for e in read_events(tmp_path) if e["kind"] == "straggler"]
     assert events[0]["phase"] in ("forward", "backward", "optimizer")  # read from its JSON line
     assert [(e["rank"], e["evict_candidate"]) for e in events] == [(3, True)]
     assert 20 <= events[0]["since_step"] < 40
 
 
-def _append(tmp_path, steps, r, lo, hi):
+def _append(tmp_path, steps, writers, r, lo, hi):
     lines, recs = zip(*steps[r][lo:hi], strict=True)
     with rank_file(tmp_path, r).open("ab") as f:
         f.write(b"".join(lines))
-    with stream_file(tmp_path, r).open("ab") as f:
-        f.write(b"".join(recs))
+    for rec in recs:
+        writers[r].add(*rec)
+    writers[r].flush()
 
 
 def test_end_of_run_look_waits_for_the_ranks_still_closing(tmp_path):
     # the slow rank's last 60 steps reach its stream only as it closes, after rank 0's last look
     # began (a long flush interval): that look must wait for them, not judge 40 steps and stop
     records = synthetic(100, 4, slow_rank=3, slow_from=50, factor=1.5)
-    watch = StragglerWatch(tmp_path, MESH.world_size, DiagnoseConfig(), start_step=0)
-    steps = watch_lines(tmp_path, records)
+    watch = StragglerWatch(tmp_path, MESH.world_size, DiagnoseConfig(watch_ranks_per_file=4), start_step=0)
+    steps, writers = watch_lines(tmp_path, records)
     for r in range(MESH.world_size):
-        _append(tmp_path, steps, r, 0, 40 if r == 3 else 100)
-    closing = threading.Timer(0.3, _append, (tmp_path, steps, 3, 40, 100))
+        _append(tmp_path, steps, writers, r, 0, 40 if r == 3 else 100)
+    closing = threading.Timer(0.3, _append, (tmp_path, steps, writers, 3, 40, 100))
     closing.start()
     flagged = watch.poll_until(100, timeout_s=30)
     closing.join()
@@ -128,15 +135,17 @@ def test_end_of_run_look_waits_for_the_ranks_still_closing(tmp_path):
     watch.close()
 
 
-def test_end_of_run_look_gives_up_on_a_rank_that_never_closes(tmp_path):
+def test_end_of_run_look_gives_up_on_a_rank_that_never_closes(tmp_path, caplog):
     records = synthetic(40, 4)
-    watch = StragglerWatch(tmp_path, MESH.world_size, DiagnoseConfig(), start_step=0)
-    steps = watch_lines(tmp_path, records)
+    watch = StragglerWatch(tmp_path, MESH.world_size, DiagnoseConfig(watch_ranks_per_file=4), start_step=0)
+    steps, writers = watch_lines(tmp_path, records)
     for r in range(MESH.world_size):
-        _append(tmp_path, steps, r, 0, 30 if r == 1 else 40)
+        _append(tmp_path, steps, writers, r, 0, 30 if r == 1 else 40)
     start = time.monotonic()
     assert watch.poll_until(40, timeout_s=0.5) == []
     assert 0.5 <= time.monotonic() - start < 5
+    # the missing rank is named, with the steps left unjudged
+    assert "1 rank(s) never recorded step 40, its last 10 step(s) not judged: ranks 1" in caplog.text
     # a run that trained no step (resumed at its last) has nothing to wait for
     start = time.monotonic()
     assert StragglerWatch(tmp_path / "none", MESH.world_size, DiagnoseConfig(), start_step=40).poll_until(40, 30) == []
