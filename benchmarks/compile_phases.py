@@ -5,7 +5,7 @@ CPU seconds on the calling thread, and the CPU of the process's other threads (g
 carry the communication), median over steps, rank 0, 2 CPU ranks. CPU time, not wall time, so
 that a loaded shared machine moves the figures little; wall seconds ride along.
 
-    .venv/bin/python benchmarks/compile_phases.py [--shape tiny] [--micro-batch 8] [--steps 8]
+    .venv/bin/python benchmarks/compile_phases.py [--shape tiny] [--micro-batch 8] [--steps 8] [--seq-len 64]
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=WORKER_TIMEOUT_S))
-    cfg = load_config(REPO / f"configs/{args.shape}.yaml", ["parallel.dp=2"])
+    overrides = ["parallel.dp=2"] + ([f"model.seq_len={args.seq_len}"] if args.seq_len else [])
+    cfg = load_config(REPO / f"configs/{args.shape}.yaml", overrides)
     built = contenders(cfg, rank, args.micro_batch)
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in built}
     for i in range(args.steps + 2):  # the two warm-up steps compile; the contenders take turns
@@ -113,6 +114,7 @@ def main() -> None:
     parser.add_argument("--shape", default="tiny")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per contender")
+    parser.add_argument("--seq-len", type=int, default=0, help="window length (0: the shape's own)")
     args = parser.parse_args()
     mp.spawn(worker, args=(free_port(), args), nprocs=2)
 

@@ -117,8 +117,9 @@ def _counted(piece: ShardPiece) -> torch.Tensor:
 
 class ZeroEngine:
     """Built by `build_zero_engine` (zero_build.py). Per step, every dp rank calls backward()
-    once per micro-batch (sync=True on the last) and then step(); after step() the model's .grad
-    are zero and its parameters are landing, bucket by bucket, as the next forward needs them."""
+    once per micro-batch (sync=True on the last) and then step(); the model's .grad stay None
+    (its gradients live in the fp32 buckets), and after step() its parameters are landing,
+    bucket by bucket, as the next forward needs them."""
 
     def __init__(
         self, model: nn.Module, params: list[nn.Parameter], buckets: list[Bucket],
@@ -139,6 +140,9 @@ class ZeroEngine:
         self.dp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._ready = [0] * len(buckets)  # parameters whose gradient is complete, per bucket
+        # per parameter: no gradient accumulated into its bucket view yet this step, so the
+        # next one is copied in, not added (the buckets are never zeroed; see _on_grad)
+        self._fresh = [True] * len(params)
         self._next_reduce = 0  # reduce-scatters start in bucket order, identical on every rank
         self._reducing: list[comm.Pending | None] = []
         self._gathering: dict[int, tuple[comm.Pending | None, torch.Tensor]] = {}
@@ -188,7 +192,7 @@ class ZeroEngine:
         self._start_gathers()
         if not self.overlap:
             self.wait_params()
-        self._zero_grads()
+        self._next_step()
         return norm
 
     def wait_params(self) -> None:
@@ -254,14 +258,20 @@ class ZeroEngine:
     # ------------------------------------------------------------ hooks and collectives
 
     def _on_grad(self, index: int) -> None:
-        """Post-accumulate-grad hook of parameter `index`."""
+        """Post-accumulate-grad hook of parameter `index`: the step's first gradient is copied
+        into its bucket view, later micro-batches' are added. .grad stays None between calls,
+        so autograd hands over the gradient it computed (no add into a .grad, no copy) and the
+        buckets need no zeroing per step: one pass over the gradient where a zeroed bucket
+        took three (memset, then autograd's read-read-write add)."""
         p, view = self.params[index], self.grad_views[index]
-        if p.grad is not view:
-            # A parameter in another dtype (bf16 copies), or .grad reset to None: accumulate in
-            # the fp32 bucket and point .grad back at it where the dtypes allow.
-            assert p.grad is not None  # the hook runs after autograd has accumulated it
-            view.add_(p.grad)
-            p.grad = view if p.dtype == view.dtype else None
+        grad = p.grad
+        assert grad is not None  # the hook runs after autograd has accumulated it
+        if self._fresh[index]:
+            view.copy_(grad)  # casts a bf16 parameter's gradient to fp32
+            self._fresh[index] = False
+        else:
+            view.add_(grad)
+        p.grad = None
         if self._sync and self.overlap:
             self._ready[self.bucket_of[index]] += 1
             self._launch_reduces(force=False)
@@ -273,9 +283,17 @@ class ZeroEngine:
             bucket = self.buckets[self._next_reduce]
             if not force and self._ready[self._next_reduce] < len(bucket.layout.slots):
                 return
+            self._zero_unused(bucket)
             # async: on NCCL the collective runs on its own stream, on gloo on its worker threads
             self._reducing.append(comm.reduce_scatter(bucket.shard_grad, bucket.grads, self.group, async_op=True))
             self._next_reduce += 1
+
+    def _zero_unused(self, bucket: Bucket) -> None:
+        # a parameter no micro-batch of this step reached (unused, or a frozen branch) would
+        # still hold an earlier step's gradient in its view
+        for slot in bucket.layout.slots:
+            if self._fresh[slot.index]:
+                self.grad_views[slot.index].zero_()
 
     def _clip(self, shards: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Scale the reduced shards so that the L2 norm of the whole model's gradient is at most
@@ -308,9 +326,9 @@ class ZeroEngine:
             if work is not None:
                 work.wait()
 
-    def _zero_grads(self) -> None:
-        for bucket in self.buckets:
-            bucket.grads.zero_()
+    def _next_step(self) -> None:
+        # nothing to zero: the next step's first gradients overwrite the bucket views
+        self._fresh = [True] * len(self.params)
         self._ready = [0] * len(self.buckets)
         self._next_reduce = 0
         self._reducing = []

@@ -70,15 +70,14 @@ def build_bucket_buffers(
 
 
 def build_grad_views(params: list[nn.Parameter], buckets: list[Bucket]) -> list[torch.Tensor]:
-    """Each parameter's gradient inside its bucket; an fp32 parameter's .grad becomes that
-    view, so autograd accumulates straight into the bucket (DDP's gradient_as_bucket_view)."""
+    """Each parameter's fp32 gradient inside its bucket, where its hook copies or adds what
+    autograd computed (ZeroEngine._on_grad); .grad itself stays None."""
     views: list[torch.Tensor] = [torch.empty(0)] * len(params)
     for bucket in buckets:
         for slot in bucket.layout.slots:
             p = params[slot.index]
             views[slot.index] = bucket.grads[slot.offset:slot.offset + slot.numel].view(p.shape)
-            if p.dtype == GRAD_DTYPE:
-                p.grad = views[slot.index]
+            p.grad = None
     return views
 
 
