@@ -43,7 +43,7 @@ class Bucket:
 
     layout: BucketLayout
     params: torch.Tensor  # (numel,) parameter dtype; the model's parameters are views into it
-    grads: torch.Tensor  # (numel,) fp32; fp32 parameters' .grad are views into it
+    grads: torch.Tensor  # (numel,) fp32; each parameter's gradient is copied, then added, into its view
     master: torch.Tensor  # (shard_numel,) fp32: this rank's shard of the parameters
     rank: int  # this rank's index in the dp group: its shard is elements [rank * n, (rank + 1) * n)
     tp_replicated: bool = False  # holds parameters every tp rank has whole (see the module doc)
