@@ -116,13 +116,33 @@ def wait_listening(addr: str, port: int, timeout_s: float) -> None:
             time.sleep(STORE_POLL_S)
 
 
+def listen_ipv4(port: int, world_size: int) -> int:
+    """A listening IPv4 socket on every interface, handed to TCPStore as a descriptor it owns.
+    torch's own is dual-stack, so rank 0 sees each peer as ::ffff:a.b.c.d, which /etc/hosts never
+    lists, and names it by a reverse DNS query on the store's one thread before serving it: 2
+    queries per rank there, one after another (a lost reply stalls everyone 5 s). A plain IPv4
+    peer resolves from /etc/hosts; the clients' own lookups stay, each on its own rank."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("0.0.0.0", port))
+    except OSError as exc:
+        sock.close()
+        raise LaunchError(f"rank 0 cannot serve the rendezvous store on port {port}: {exc.strerror} "
+                          f"(another job on this node? set MASTER_PORT)") from None
+    sock.listen(max(world_size, socket.SOMAXCONN))  # every rank connects at once
+    return sock.detach()  # TCPStore closes it
+
+
 def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0 serves the store; the others connect as soon as it listens. No rank waits for the
     others here: the process group's own connections do that."""
-    if rank != 0:
-        wait_listening(addr, port, timeout_s)
-    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=listen_ipv4(port, world_size))
+    wait_listening(addr, port, timeout_s)
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
 
 
 def connect_lazily() -> None:
