@@ -8,7 +8,7 @@ rest (or the fixed `--tp`/`--pp` given), then one all-reduce in each of its grou
 world (a lazily connected gloo pair connects on its first message, so the first collective is
 where connections are paid). The store the process group uses is counted by a thin `dist.Store`
 subclass that forwards every call to the real TCPStore (the instrumentation: no call is answered
-by it), by operation and by the group whose keys it touches. Modes: `lazy` (mshpc's default
+by it), by operation. Modes: `lazy` (mshpc's default
 since init_distributed calls `connect_lazily`: a group's creation publishes one address, a pair
 connects on first use) and `eager` (TORCH_GLOO_LAZY_INIT=0, torch's default: every member reads
 every other member's address and connects at creation). Time runs from a common start after
@@ -47,42 +47,39 @@ def counting_store(inner):  # type: ignore[no-untyped-def]
         def __init__(self) -> None:
             super().__init__()
             self.ops: dict[str, int] = {}
-            self.by_group: dict[str, int] = {}
             self.nbytes = 0
 
-        def _count(self, op: str, nbytes: int, key: str = "") -> None:
+        def _count(self, op: str, nbytes: int) -> None:
             self.ops[op] = self.ops.get(op, 0) + 1
             self.nbytes += nbytes
-            group = key.split("/")[0] if "/" in key else "(no group)"  # torch prefixes a group's keys with its name
-            self.by_group[group] = self.by_group.get(group, 0) + 1
 
         def set(self, key, value):  # type: ignore[no-untyped-def]
-            self._count("set", len(key) + len(value), key)
+            self._count("set", len(key) + len(value))
             return inner.set(key, value)
 
         def get(self, key):  # type: ignore[no-untyped-def]
             value = inner.get(key)
-            self._count("get", len(key) + len(value), key)
+            self._count("get", len(key) + len(value))
             return value
 
         def add(self, key, amount):  # type: ignore[no-untyped-def]
-            self._count("add", len(key) + 8, key)
+            self._count("add", len(key) + 8)
             return inner.add(key, amount)
 
         def compare_set(self, key, expected, desired):  # type: ignore[no-untyped-def]
-            self._count("compare_set", len(key) + len(expected) + len(desired), key)
+            self._count("compare_set", len(key) + len(expected) + len(desired))
             return inner.compare_set(key, expected, desired)
 
         def wait(self, keys, timeout=None):  # type: ignore[no-untyped-def]
-            self._count("wait", sum(map(len, keys)), keys[0] if keys else "")
+            self._count("wait", sum(map(len, keys)))
             return inner.wait(keys) if timeout is None else inner.wait(keys, timeout)
 
         def check(self, keys):  # type: ignore[no-untyped-def]
-            self._count("check", sum(map(len, keys)), keys[0] if keys else "")
+            self._count("check", sum(map(len, keys)))
             return inner.check(keys)
 
         def delete_key(self, key):  # type: ignore[no-untyped-def]
-            self._count("delete_key", len(key), key)
+            self._count("delete_key", len(key))
             return inner.delete_key(key)
 
         def num_keys(self):  # type: ignore[no-untyped-def]
@@ -138,7 +135,7 @@ def worker(rank: int, world: int, port: int, lazy: bool, shape, barrier, conn) -
     first_done, cpu = time.time(), time.process_time() - cpu
     store = counted[0]
     conn.send({"cpu_s": cpu, "start": start, "init": init_done, "groups": groups_done, "first": first_done,
-               "ops": sum(store.ops.values()), "by_op": store.ops, "by_group": store.by_group, "bytes": store.nbytes})
+               "ops": sum(store.ops.values()), "by_op": store.ops, "bytes": store.nbytes})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -174,15 +171,13 @@ def run(world: int, lazy: bool, tp: int | None = None, pp: int | None = None) ->
                 proc.kill()
     start = min(g["start"] for g in got)
     ops = [g["ops"] for g in got]
-    by_group = _merge([g["by_group"] for g in got])
     return {"layout": {"tp": shape.tp, "pp": shape.pp, "dp": shape.dp},
             "init_s": max(g["init"] for g in got) - start, "groups_s": max(g["groups"] for g in got) - start,
             "total_s": max(g["first"] for g in got) - start, "cpu_s_per_rank_median": statistics.median(
                 g["cpu_s"] for g in got), "ops_per_rank_mean": statistics.mean(ops),
             "ops_per_rank_max": max(ops), "ops_total": sum(ops), "bytes_per_rank_mean": statistics.mean(
                 g["bytes"] for g in got), "bytes_total": sum(g["bytes"] for g in got),
-            "ops_total_by_op": _merge([g["by_op"] for g in got]),
-            "ops_per_rank_by_group": {k: round(n / world, 2) for k, n in sorted(by_group.items())}}
+            "ops_total_by_op": _merge([g["by_op"] for g in got])}
 
 
 def store_ops_per_s(clients: int = 8, ops: int = 2000) -> float:
