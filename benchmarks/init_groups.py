@@ -8,7 +8,9 @@ turns within each round: mshpc (launch.rendezvous.init_distributed + parallel.me
 plain (init_process_group with the default TCPStore, then a new_group per group of the job from
 every rank), and plain with the init barrier. Time runs from a common start, after every rank
 has imported torch (the import, ~1 s of CPU a rank, dominates start-up on few cores and is the
-same for all), to the last rank done.
+same for all), to the last rank done with one all-reduce in each of its groups and in the world:
+mshpc's gloo groups connect lazily (a pair on its first message), the plain ones eagerly (every
+pair at creation), so a time stopped at creation would leave mshpc's connections out.
 
     .venv/bin/python benchmarks/init_groups.py [--ranks 8 16 32] [--rounds 3] [--tp 2] [--pp 2]
 """
@@ -32,16 +34,29 @@ CONTENDERS = ("mshpc", "plain", "plain_with_barriers")
 TIMEOUT_S = 600
 
 
+def _first_collectives(groups: list) -> None:  # type: ignore[type-arg]
+    """One all-reduce in each of this rank's groups and in the world: a lazily connected gloo
+    group pays its connections here, an eager one at its creation, so both are timed to here."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(1)
+    for group in [*groups, None]:
+        dist.all_reduce(x, group=group)
+
+
 def _mshpc(rank: int, world: int, port: int, shape) -> float:
     from mshpc.launch.env import LaunchEnv
     from mshpc.launch.rendezvous import init_distributed
+    from mshpc.mesh_shape import GROUP_NAMES
     from mshpc.parallel.mesh import build_mesh
 
     env = LaunchEnv(launcher="env", rank=rank, world_size=world, local_rank=rank, local_world_size=world,
                     node="localhost", master_addr="127.0.0.1", master_port=port, slurm=None, test_faults=None)
-    init_distributed(env, timeout_s=TIMEOUT_S)
+    init_distributed(env, timeout_s=TIMEOUT_S)  # gloo connects lazily from here on (connect_lazily)
     done_init = time.time()
-    build_mesh(shape)
+    mesh = build_mesh(shape)
+    _first_collectives([getattr(mesh, name) for name in GROUP_NAMES])
     return done_init
 
 
@@ -50,12 +65,17 @@ def _plain(rank: int, world: int, port: int, shape) -> float:
 
     import torch.distributed as dist
 
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "0"  # torch's default; mshpc's rounds set it in this process
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     done_init = time.time()
+    mine = []
     for groups in shape.all_groups().values():
         for ranks in groups:
-            dist.new_group(list(ranks))  # every rank, every group, in the same order
+            group = dist.new_group(list(ranks))  # every rank, every group, in the same order
+            if rank in ranks:
+                mine.append(group)
+    _first_collectives(mine)
     return done_init
 
 
@@ -75,9 +95,10 @@ def worker(rank: int, world: int, shape, schedule: list[tuple[str, int]], barrie
     conn.close()
 
 
+
 def measure(world: int, tp: int, pp: int, rounds: int) -> dict[str, dict[str, float]]:
     """Each contender's median over rounds of init_s, groups_s (the slowest rank's group
-    creation) and total_s, and its worst init_s, at `world` ranks."""
+    creation and first collectives) and total_s, and its worst init_s, at `world` ranks."""
     from mshpc.mesh_shape import MeshShape
 
     shape = MeshShape(pp=pp, dp=world // (tp * pp), tp=tp)

@@ -4,15 +4,17 @@ extrapolated to 2,048 and 12,288 with the fitted exponent.
 
 Each rank is a real process running mshpc's own start-up: `launch.rendezvous.init_distributed`
 (a real TCPStore on rank 0), `parallel.mesh.build_mesh` for tp=8, pp=N/8 (at most 8), dp the
-rest, then one all-reduce in each of its groups and in the world (gloo connects lazily when
-TORCH_GLOO_LAZY_INIT is set, so the first collective is where those connections are paid). The
-store the process group uses is counted by a thin `dist.Store` subclass that forwards every call
-to the real TCPStore (the instrumentation: no call is answered by it). Modes: `eager` (gloo
-connects every pair of a group when it is created: mshpc's default) and `lazy`
-(TORCH_GLOO_LAZY_INIT=1: a pair connects on its first message; it hangs mshpc's pipeline
-sends on gloo today, see README's Scale section). Time runs from a common start after torch is imported.
+rest (or the fixed `--tp`/`--pp` given), then one all-reduce in each of its groups and in the
+world (a lazily connected gloo pair connects on its first message, so the first collective is
+where connections are paid). The store the process group uses is counted by a thin `dist.Store`
+subclass that forwards every call to the real TCPStore (the instrumentation: no call is answered
+by it), by operation. Modes: `lazy` (mshpc's default
+since init_distributed calls `connect_lazily`: a group's creation publishes one address, a pair
+connects on first use) and `eager` (TORCH_GLOO_LAZY_INIT=0, torch's default: every member reads
+every other member's address and connects at creation). Time runs from a common start after
+torch is imported.
 
-    .venv/bin/python benchmarks/scale/rendezvous_scale.py [--n 8 16 32] [--modes eager lazy]
+    .venv/bin/python benchmarks/scale/rendezvous_scale.py [--n 8 16 32] [--modes lazy eager] [--tp 2 --pp 2]
 """
 
 from __future__ import annotations
@@ -90,14 +92,21 @@ def counting_store(inner):  # type: ignore[no-untyped-def]
     return CountingStore()
 
 
-def worker(rank: int, world: int, port: int, lazy: bool, barrier, conn) -> None:  # type: ignore[no-untyped-def]
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1" if lazy else "0"  # eager: mshpc's default
+def layout(world: int, tp: int | None, pp: int | None):  # type: ignore[no-untyped-def]
+    """The mesh measured: the issue's tp=8, pp=N/8 (at most 8), or a fixed tp x pp."""
+    from mshpc.mesh_shape import MeshShape
+
+    if tp is None or pp is None:
+        tp, pp = 8, max(1, min(8, world // 8))
+    return MeshShape(pp=pp, dp=world // (tp * pp), tp=tp)
+
+
+def worker(rank: int, world: int, port: int, lazy: bool, shape, barrier, conn) -> None:  # type: ignore[no-untyped-def]
     import torch
     import torch.distributed as dist
 
     import mshpc.launch.rendezvous as rdv
     from mshpc.launch.env import LaunchEnv
-    from mshpc.mesh_shape import MeshShape
     from mshpc.parallel.mesh import build_mesh
 
     torch.set_num_threads(1)
@@ -109,12 +118,13 @@ def worker(rank: int, world: int, port: int, lazy: bool, barrier, conn) -> None:
         return counted[0]
 
     rdv.connect_store = connect_and_count
-    pp = min(8, world // 8)
-    shape = MeshShape(pp=pp, dp=world // (8 * pp), tp=8)
+    if not lazy:  # torch's default, what mshpc did before connect_lazily
+        os.environ[rdv.GLOO_LAZY_INIT] = "0"
+        rdv.connect_lazily = lambda: None
     env = LaunchEnv(launcher="env", rank=rank, world_size=world, local_rank=rank % 8, local_world_size=8,
                     node=f"node{rank // 8}", master_addr="127.0.0.1", master_port=port, slurm=None, test_faults=None)
     barrier.wait()
-    start = time.time()
+    start, cpu = time.time(), time.process_time()
     rdv.init_distributed(env, timeout_s=TIMEOUT_S)
     init_done = time.time()
     mesh = build_mesh(shape)
@@ -122,22 +132,33 @@ def worker(rank: int, world: int, port: int, lazy: bool, barrier, conn) -> None:
     x = torch.ones(1)
     for group in (mesh.tp, mesh.dp, mesh.pp, mesh.mp, mesh.embed, None):
         dist.all_reduce(x, group=group)
-    first_done = time.time()
+    first_done, cpu = time.time(), time.process_time() - cpu
     store = counted[0]
-    conn.send({"start": start, "init": init_done, "groups": groups_done, "first": first_done,
+    conn.send({"cpu_s": cpu, "start": start, "init": init_done, "groups": groups_done, "first": first_done,
                "ops": sum(store.ops.values()), "by_op": store.ops, "bytes": store.nbytes})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run(world: int, lazy: bool) -> dict:
+def _merge(counts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, n in c.items():
+            out[k] = out.get(k, 0) + n
+    return out
+
+
+def run(world: int, lazy: bool, tp: int | None = None, pp: int | None = None) -> dict:
+    """One start-up of `world` real ranks; the slowest rank's times from the common start, and
+    the store operations counted on every rank."""
+    shape = layout(world, tp, pp)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(world)
     port = free_port()
     pipes, procs = [], []
     for rank in range(world):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=worker, args=(rank, world, port, lazy, barrier, send), daemon=True)
+        proc = ctx.Process(target=worker, args=(rank, world, port, lazy, shape, barrier, send), daemon=True)
         proc.start()
         pipes.append(recv)
         procs.append(proc)
@@ -150,14 +171,13 @@ def run(world: int, lazy: bool) -> dict:
                 proc.kill()
     start = min(g["start"] for g in got)
     ops = [g["ops"] for g in got]
-    by_op: dict[str, int] = {}
-    for g in got:
-        for op, n in g["by_op"].items():
-            by_op[op] = by_op.get(op, 0) + n
-    return {"init_s": max(g["init"] for g in got) - start, "groups_s": max(g["groups"] for g in got) - start,
-            "total_s": max(g["first"] for g in got) - start, "ops_per_rank_mean": statistics.mean(ops),
+    return {"layout": {"tp": shape.tp, "pp": shape.pp, "dp": shape.dp},
+            "init_s": max(g["init"] for g in got) - start, "groups_s": max(g["groups"] for g in got) - start,
+            "total_s": max(g["first"] for g in got) - start, "cpu_s_per_rank_median": statistics.median(
+                g["cpu_s"] for g in got), "ops_per_rank_mean": statistics.mean(ops),
             "ops_per_rank_max": max(ops), "ops_total": sum(ops), "bytes_per_rank_mean": statistics.mean(
-                g["bytes"] for g in got), "bytes_total": sum(g["bytes"] for g in got), "ops_total_by_op": by_op}
+                g["bytes"] for g in got), "bytes_total": sum(g["bytes"] for g in got),
+            "ops_total_by_op": _merge([g["by_op"] for g in got])}
 
 
 def store_ops_per_s(clients: int = 8, ops: int = 2000) -> float:
@@ -199,7 +219,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--store-only", action="store_true", help="only the TCPStore's ops/s")
-    ap.add_argument("--modes", nargs="+", default=["eager", "lazy"], choices=["eager", "lazy"])
+    ap.add_argument("--modes", nargs="+", default=["lazy", "eager"], choices=["eager", "lazy"])
+    ap.add_argument("--tp", type=int, help="a fixed layout (with --pp); default: tp=8, pp=N/8 up to 8")
+    ap.add_argument("--pp", type=int)
     args = ap.parse_args()
     ns = sorted(args.n)
     rate = store_ops_per_s()
@@ -208,20 +230,25 @@ def main() -> None:
     for mode in [] if args.store_only else args.modes:
         rows = []
         for n in ns:
-            r = run(n, mode == "lazy")
+            r = run(n, mode == "lazy", args.tp, args.pp)
             rows.append(r)
             print(json.dumps({"bench": "scale_rendezvous", "mode": mode, "N": n, "unit": "s / store ops / bytes",
                               **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}), flush=True)
         ops_exp = slope(ns, [r["ops_per_rank_mean"] for r in rows])
         wall_exp = slope(ns, [r["total_s"] for r in rows])
         at = {m: rows[-1]["total_s"] * (m / ns[-1]) ** wall_exp for m in (2048, 12288)}
-        # the store's share: every rank's operations, extrapolated with their own exponent, served by one store
+        # the store's share: every rank's operations, extrapolated with their own exponent, served
+        # one after another by the one store
         store_s = {m: rows[-1]["ops_total"] * (m / ns[-1]) ** (1 + ops_exp) / rate for m in (2048, 12288)}
+        # a rank on its own core: its own start-up CPU (measured, the median rank at the largest N)
+        # plus the store's queue; the wall time measured here is N ranks sharing 2 cores instead
+        cpu = rows[-1]["cpu_s_per_rank_median"]
         print(json.dumps({"bench": "scale_rendezvous", "mode": mode, "metric": "growth_exponent",
                           "unit": "log-log slope", "N": ns, "ops_per_rank": round(ops_exp, 3),
-                          "wall": round(wall_exp, 3), "extrapolated_total_s_2048": round(at[2048], 1),
-                          "extrapolated_total_s_12288": round(at[12288], 1),
+                          "wall_2_cores": round(wall_exp, 3), "extrapolated_wall_2_cores_s_2048": round(at[2048], 1),
                           "store_bound_s_2048": round(store_s[2048], 2), "store_bound_s_12288": round(store_s[12288], 2),
+                          "cpu_s_per_rank": round(cpu, 3),
+                          "modelled_s_2048": round(cpu + store_s[2048], 2), "modelled_s_12288": round(cpu + store_s[12288], 2),
                           "paper": PAPER}), flush=True)
 
 

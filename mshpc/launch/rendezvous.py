@@ -11,12 +11,22 @@ What is left is torch's and the site's: each store connect and accept does a rev
 of the peer (c10d's socket.cpp formats addresses with getnameinfo), on rank 0's store thread one
 after another, and a lost reply costs the resolver's timeout, 5 s by default, for every rank
 (README, Scale: "The 5 s at 32 local ranks"; benchmarks/store_connect.py).
+
+gloo connects lazily (`connect_lazily`): a group's creation publishes this rank's address once,
+and a pair of ranks connects, one store read, on its first message. Eagerly, every member of
+every group read every other member's address and connected to it at creation, 2(N-1) store
+operations and N-1 connections per rank for the world group alone (MegaScale sec. 3.5's O(n)
+start-up); lazily a rank's start-up costs O(1) store operations, the peers its collectives'
+algorithms talk to (ring neighbours). A lazy connect blocks the posting call until the peer
+touches the same pair of the same group, so point-to-point traffic that ranks post in different
+orders over several groups must connect first (parallel.pipeline.build_links does).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 import subprocess
 import time
@@ -34,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SLURM_PORT_BASE = 20000  # job-derived ports land in [20000, 40000)
 STORE_POLL_S = 0.01  # how often a rank looks for rank 0's store before connecting to it
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # torch reads it at each gloo group's creation
 
 
 @dataclass(frozen=True)
@@ -105,18 +116,45 @@ def wait_listening(addr: str, port: int, timeout_s: float) -> None:
             time.sleep(STORE_POLL_S)
 
 
+def listen_ipv4(port: int, world_size: int) -> int:
+    """A listening IPv4 socket on every interface, handed to TCPStore as a descriptor it owns.
+    torch's own is dual-stack, so rank 0 sees each peer as ::ffff:a.b.c.d, which /etc/hosts never
+    lists, and names it by a reverse DNS query on the store's one thread before serving it: 2
+    queries per rank there, one after another (a lost reply stalls everyone 5 s). A plain IPv4
+    peer resolves from /etc/hosts; the clients' own lookups stay, each on its own rank."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("0.0.0.0", port))
+    except OSError as exc:
+        sock.close()
+        raise LaunchError(f"rank 0 cannot serve the rendezvous store on port {port}: {exc.strerror} "
+                          f"(another job on this node? set MASTER_PORT)") from None
+    sock.listen(max(world_size, socket.SOMAXCONN))  # every rank connects at once
+    return sock.detach()  # TCPStore closes it
+
+
 def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0 serves the store; the others connect as soon as it listens. No rank waits for the
     others here: the process group's own connections do that."""
-    if rank != 0:
-        wait_listening(addr, port, timeout_s)
-    return dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=listen_ipv4(port, world_size))
+    wait_listening(addr, port, timeout_s)
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+
+
+def connect_lazily() -> None:
+    """Make every gloo group created from now on in this process connect its pairs on first use
+    (torch has no per-group option for it: the gloo backend ignores pg_options)."""
+    os.environ[GLOO_LAZY_INIT] = "1"
 
 
 def init_distributed(env: LaunchEnv, timeout_s: float = 600.0) -> DistInfo:
     """Create the default process group for this rank; every rank of the job must call it."""
     backend = pick_backend()
+    connect_lazily()  # gloo groups only; NCCL communicators are lazy already
     timeout = timedelta(seconds=timeout_s)
     if env.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

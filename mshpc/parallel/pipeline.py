@@ -204,7 +204,38 @@ def build_links(mesh: Mesh, virtual_stages: int) -> PipeLinks:
     names = LINKS if virtual_stages > 1 else ("act", "grad")  # only interleaving wraps around
     groups = {name: dist.new_group(list(ranks), use_local_synchronization=True, group_desc=f"pp_{name}")
               for name in names}
-    return PipeLinks(ranks, groups)
+    links = PipeLinks(ranks, groups)
+    connect_links(links, mesh.coords.pp)
+    return links
+
+
+def link_edges(name: str, pp: int) -> list[tuple[int, int]]:
+    """The pp-rank pairs (lower first) that link `name` joins: neighbours, or the wrap-around."""
+    if name.endswith("_wrap"):
+        return [(0, pp - 1)] if pp > 1 else []
+    return [(i, i + 1) for i in range(pp - 1)]
+
+
+def connect_links(links: PipeLinks, pp_rank: int) -> None:
+    """Connect every pair of every link before a schedule runs. A lazily connected pair (gloo under
+    launch.rendezvous.connect_lazily; NCCL's per-pair communicators) connects inside the first
+    send or receive posted on it, and that call blocks until the peer posts on the same pair of
+    the same group. The schedules post receives early and on several links, so rank 0 posting
+    its first grad receive while rank 1 waits for its first activation deadlocked (1 run in 2 at
+    pp=2, as the pairs' addresses fell). Here each rank takes its pairs in one order the whole
+    pp group shares (link, then lower rank), so the lowest pair not yet connected always has both
+    ends at it. Collective over the pp group."""
+    pp = len(links.ranks)
+    on_gpu = any(dist.get_backend(g) == "nccl" for g in links.groups.values())
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    for name, group in links.groups.items():
+        for lo, hi in link_edges(name, pp):
+            if pp_rank in (lo, hi):
+                peer = links.ranks[hi if pp_rank == lo else lo]
+                out, back = torch.zeros(1, device=device), torch.empty(1, device=device)
+                works = [comm.isend(out, peer, group), comm.irecv(back, peer, group)]
+                for work in works:
+                    work.wait()
 
 
 @dataclass(frozen=True)

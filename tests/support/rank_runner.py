@@ -34,6 +34,8 @@ def _rank_main(file: str, qualname: str, rank: int, world: int, store: str, dump
     import torch
     import torch.distributed as dist
 
+    from mshpc.launch.rendezvous import connect_lazily
+
     faulthandler.register(signal.SIGUSR1, file=open(dump, "w"), all_threads=True)
     torch.set_num_threads(1)  # ranks share the machine's cores
     try:
@@ -44,6 +46,7 @@ def _rank_main(file: str, qualname: str, rank: int, world: int, store: str, dump
         fn = module
         for part in qualname.split("."):
             fn = getattr(fn, part)
+        connect_lazily()  # as launch.rendezvous.init_distributed: gloo pairs connect on first use
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world, *args)
