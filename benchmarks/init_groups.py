@@ -53,7 +53,8 @@ def _mshpc(rank: int, world: int, port: int, shape) -> float:
 
     env = LaunchEnv(launcher="env", rank=rank, world_size=world, local_rank=rank, local_world_size=world,
                     node="localhost", master_addr="127.0.0.1", master_port=port, slurm=None, test_faults=None)
-    init_distributed(env, timeout_s=TIMEOUT_S)  # gloo connects lazily from here on (connect_lazily)
+    os.environ.pop("TORCH_GLOO_LAZY_INIT", None)  # a plain round in this process set torch's default,
+    init_distributed(env, timeout_s=TIMEOUT_S)  # which connect_lazily would keep: gloo is lazy from here
     done_init = time.time()
     mesh = build_mesh(shape)
     _first_collectives([getattr(mesh, name) for name in GROUP_NAMES])

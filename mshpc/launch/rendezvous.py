@@ -147,8 +147,9 @@ def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: f
 
 def connect_lazily() -> None:
     """Make every gloo group created from now on in this process connect its pairs on first use
-    (torch has no per-group option for it: the gloo backend ignores pg_options)."""
-    os.environ[GLOO_LAZY_INIT] = "1"
+    (torch has no per-group option for it: the gloo backend ignores pg_options). A site that sets
+    TORCH_GLOO_LAZY_INIT=0 itself keeps eager connections: the escape hatch if a lazy pair misbehaves."""
+    os.environ.setdefault(GLOO_LAZY_INIT, "1")
 
 
 def init_distributed(env: LaunchEnv, timeout_s: float = 600.0) -> DistInfo:
