@@ -36,15 +36,21 @@ def test_rows_arrive_in_order_past_a_full_pipe_and_through_signals(tmp_path: Pat
     loggers = build_loggers(load_config(None, TB), tmp_path, MetricsLog(tmp_path / "metrics.jsonl", 0), 0)
     child = loggers.others[0]
     assert isinstance(child, LoggerProcess)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):  # what Slurm sends a job step
-        os.kill(child.proc.pid, sig)
-    most_pending = 0
-    # 1.6 MB of rows: more than the pipe holds, so the loop keeps some itself without waiting
-    for step in range(1, 1601):
-        loggers.write({"step": step, "loss": 1.0 / step, "note": "x" * 1000})
-        most_pending = max(most_pending, len(child.pending))
-        if step == 800:
-            append_event(tmp_path, "straggler", rank=1)
+    # The child is stopped while the rows are written, so the pipe surely fills whatever the
+    # machine's load (a child that kept up left nothing pending); the signals reach it on SIGCONT.
+    os.kill(child.proc.pid, signal.SIGSTOP)
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):  # what Slurm sends a job step
+            os.kill(child.proc.pid, sig)
+        most_pending = 0
+        # 1.6 MB of rows: more than the pipe holds, so the loop keeps some itself without waiting
+        for step in range(1, 1601):
+            loggers.write({"step": step, "loss": 1.0 / step, "note": "x" * 1000})
+            most_pending = max(most_pending, len(child.pending))
+            if step == 800:
+                append_event(tmp_path, "straggler", rank=1)
+    finally:
+        os.kill(child.proc.pid, signal.SIGCONT)
     loggers.close()
     assert most_pending > 0
     assert child.proc.returncode == 0
