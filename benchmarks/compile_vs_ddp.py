@@ -2,23 +2,31 @@
 fused kernels, each block compiled) trains at >= 1.1x the tokens/s of a plain torch DDP loop of
 the same model compiled the same way, on 2 CPU ranks, at the tiny and gpt-125m shapes.
 
-Four contenders on identical models and batches, in one run, taking turns within each round
-(two_ranks.time_steps) so that a noisy neighbour slows all alike: mshpc eager and compiled
+Five contenders on identical weights and batches, in one run, taking turns within each round
+(two_ranks.time_rounds) so that a noisy neighbour slows all alike: mshpc eager and compiled
 (parallel/apply.py: blocks compiled after tp and before ZeRO), plain DDP (torch's
 DistributedDataParallel, torch's foreach AdamW, clip_grad_norm_) eager and compiled (the same
-per-block torch.compile, applied before DDP wraps the model). The gpt-125m shape keeps its
-width and depth but trains short windows (--seq-125m) so a round takes seconds, not minutes;
-its four copies of the model with their optimizer states do not fit two ranks in this machine's
-memory, so there the pairs run one after the other (compiled vs compiled, eager vs eager), each
+per-block torch.compile, applied before DDP wraps the model) on mshpc's model with its fused
+kernels, and `ddp_compiled_plain`: DDP compiled on the model written in plain torch
+(model.fused_kernels=off: the reference operators, which inductor fuses itself), the loop a
+torchtitan user writes. Against ddp_compiled the engine alone is measured; against
+ddp_compiled_plain the engine and the kernels. The gpt-125m shape keeps its width and depth
+but trains short windows (--seq-125m) so a round takes seconds, not minutes; its copies of the
+model with their optimizer states do not fit two ranks in this machine's memory all at once, so
+there pairs run one after the other (mshpc compiled vs each compiled DDP, eager vs eager), each
 pair interleaved.
 
 The machine these runs share is often loaded far past its 2 cores, and then wall time swings
 several-fold from run to run; so each contender's CPU time per step is measured too (rank 0's
 whole process, gloo's threads included: `time.process_time`), which a neighbour's load barely
 moves, and reported as tokens per CPU-second beside tokens/s, with the load average at the start
-and the end of each shape. One command for both shapes, under 6 minutes on a quiet machine:
+and the end of each shape. Each ratio comes with a 90% interval from resampling the rounds:
+at tiny a step is a quarter of a second, and 4 rounds of 2 steps read 1.135x and 1.064x in two
+quiet runs, so tiny takes many rounds. One command for both shapes, under 6 minutes on a quiet
+machine, and tiny alone with enough rounds to settle (about 3 minutes):
 
     .venv/bin/python benchmarks/compile_vs_ddp.py --rounds 4
+    .venv/bin/python benchmarks/compile_vs_ddp.py --shapes tiny --rounds 20 --steps 4
 
     .venv/bin/python benchmarks/compile_vs_ddp.py [--shapes tiny,gpt-125m] [--rounds 3]
         [--steps 2] [--micro-batch 8] [--micro-batch-125m 1] [--seq-125m 64]
@@ -33,6 +41,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import statistics
 import sys
@@ -43,9 +52,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from two_ranks import REPO, WORKER_TIMEOUT_S, time_steps  # noqa: E402
+from two_ranks import REPO, WORKER_TIMEOUT_S, time_rounds  # noqa: E402
 
-CONTENDERS = ("mshpc_eager", "mshpc_compiled", "ddp_eager", "ddp_compiled")
+CONTENDERS = ("mshpc_eager", "mshpc_compiled", "ddp_eager", "ddp_compiled", "ddp_compiled_plain")
 
 
 def build_steps(cfg, rank: int, micro_batch: int, names: tuple[str, ...]) -> dict:
@@ -65,9 +74,9 @@ def build_steps(cfg, rank: int, micro_batch: int, names: tuple[str, ...]) -> dic
     x, y = batch[:, :-1], batch[:, 1:]
     mesh = build_mesh(MeshShape(pp=1, dp=2, tp=1))
 
-    def fresh() -> GPT:
-        torch.manual_seed(0)
-        return GPT(cfg.model)
+    def fresh(fused_kernels: str = cfg.model.fused_kernels) -> GPT:
+        torch.manual_seed(0)  # the same weights whichever operators run them
+        return GPT(dataclasses.replace(cfg.model, fused_kernels=fused_kernels))
 
     def mshpc_step(compiled: bool) -> tuple[Callable[[], None], Callable[[], None]]:
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=compiled))
@@ -78,10 +87,10 @@ def build_steps(cfg, rank: int, micro_batch: int, names: tuple[str, ...]) -> dic
             engine.step(cfg.optim.grad_clip)
         return step, engine.wait_params
 
-    def ddp_step(compiled: bool) -> tuple[Callable[[], None], Callable[[], None]]:
-        model = fresh()
+    def ddp_step(compiled: bool, fused_kernels: str = cfg.model.fused_kernels) -> tuple[Callable[[], None], Callable[[], None]]:
+        model = fresh(fused_kernels)
         if compiled:
-            apply_compile(model.layers.values(), cfg.model.fused_kernels, torch.device("cpu"), fullgraph=True)
+            apply_compile(model.layers.values(), fused_kernels, torch.device("cpu"), fullgraph=True)
         ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
         opt = build_optimizer(model, cfg.optim)
 
@@ -93,7 +102,8 @@ def build_steps(cfg, rank: int, micro_batch: int, names: tuple[str, ...]) -> dic
         return step, lambda: None
 
     build = {"mshpc_eager": lambda: mshpc_step(False), "mshpc_compiled": lambda: mshpc_step(True),
-             "ddp_eager": lambda: ddp_step(False), "ddp_compiled": lambda: ddp_step(True)}
+             "ddp_eager": lambda: ddp_step(False), "ddp_compiled": lambda: ddp_step(True),
+             "ddp_compiled_plain": lambda: ddp_step(True, "off")}
     return {name: build[name]() for name in names}
 
 
@@ -116,11 +126,11 @@ def worker(rank: int, port: int, shape: str, names: tuple[str, ...], args: argpa
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     steps = {name: (cpu_timed(step, cpu[name]), finish) for name, (step, finish) in steps.items()}
     # the round-0 warm-up compiles every contender; what it spent is reported, not timed
-    times = time_steps(steps, args.rounds, args.steps)
+    times = time_rounds(steps, args.rounds, args.steps)
     warm_up = 1 + args.steps  # round 0's lead-in and steps
     cpu_s = {name: statistics.median(s[warm_up:]) for name, s in cpu.items()}
     if rank == 0:
-        out.put(json.dumps({"step_s": times, "cpu_s": cpu_s, "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
+        out.put(json.dumps({"round_s": times, "cpu_s": cpu_s, "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
                             "tokens_per_step": 2 * micro_batch * cfg.model.seq_len, "micro_batch": micro_batch,
                             "seq_len": cfg.model.seq_len, "params": sum(p.numel() for p in steps_params(cfg))}))
     dist.destroy_process_group()
@@ -169,26 +179,43 @@ def run_pair(shape: str, names: tuple[str, ...], args: argparse.Namespace) -> di
     return result
 
 
-def run_shape(shape: str, args: argparse.Namespace) -> dict:
-    """Every contender's step time at `shape`: all four interleaved, or two pairs where memory is short."""
+def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
+    """Each group's step times at `shape`: all contenders interleaved at tiny, pairs at gpt-125m
+    where memory is short. A ratio is only taken within a group: across groups it would compare
+    different moments of a shared machine."""
     if args.only:
         groups = [tuple(args.only.split(","))]
     elif shape == "tiny":
         groups = [CONTENDERS]
     else:
-        groups = [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager")]
-    load_start = os.getloadavg()[0]
-    results = [run_pair(shape, names, args) for names in groups]
-    merged = dict(results[0], step_s={k: v for r in results for k, v in r["step_s"].items()},
-                  cpu_s={k: v for r in results for k, v in r["cpu_s"].items()})
-    merged["load_avg"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]
-    merged["compile_s"] = sum(r["compile_s"] for r in results)
-    merged["group_of"] = {name: g for g, names in enumerate(groups) for name in names}
-    return merged
+        groups = [("mshpc_compiled", "ddp_compiled"), ("mshpc_compiled", "ddp_compiled_plain"),
+                  ("mshpc_eager", "ddp_eager")]
+    results = []
+    for names in groups:
+        load_start = os.getloadavg()[0]
+        result = run_pair(shape, names, args)
+        result["load_avg"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]
+        results.append(result)
+    return results
+
+
+def bootstrap_ratio(baseline: list[float], ours: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 90% interval of median(baseline) / median(ours) (a tokens/s ratio), resampling rounds in
+    pairs: the contenders of a round ran side by side, so a slow moment of the machine falls on
+    both. How far the headline ratio could move by chance; a few rounds of a few steps each swing
+    several percent here."""
+    rng = random.Random(0)
+    pairs = list(zip(baseline, ours, strict=True))
+    ratios = []
+    for _ in range(draws):
+        drawn = rng.choices(pairs, k=len(pairs))
+        ratios.append(statistics.median(b for b, _ in drawn) / statistics.median(o for _, o in drawn))
+    ratios.sort()
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
 
 
 def lines(shape: str, r: dict) -> list[dict]:
-    tps = {name: r["tokens_per_step"] / s for name, s in r["step_s"].items()}
+    tps = {name: r["tokens_per_step"] / statistics.median(s) for name, s in r["round_s"].items()}
     # per CPU-second of rank 0's process, both ranks' tokens: the figure load moves least
     tpc = {name: r["tokens_per_step"] / s for name, s in r["cpu_s"].items()}
     context = {"shape": shape, "params": r["params"], "seq_len": r["seq_len"], "micro_batch_per_rank": r["micro_batch"],
@@ -198,14 +225,15 @@ def lines(shape: str, r: dict) -> list[dict]:
         return {"bench": "compile_vs_ddp", "metric": f"tokens_per_s_{ours}_vs_{baseline}",
                 "value": round(tps[ours], 1), "unit": "tokens/s", "baseline": round(tps[baseline], 1),
                 "ratio": round(tps[ours] / tps[baseline], 3),
+                "ratio_90pct": [round(v, 3) for v in bootstrap_ratio(r["round_s"][baseline], r["round_s"][ours])],
+                "rounds": len(r["round_s"][ours]),
                 "tokens_per_cpu_s": round(tpc[ours], 1), "baseline_tokens_per_cpu_s": round(tpc[baseline], 1),
                 "cpu_ratio": round(tpc[ours] / tpc[baseline], 3), **context}
 
-    pairs = [("mshpc_compiled", "ddp_compiled"), ("mshpc_eager", "ddp_eager"),
-             ("mshpc_compiled", "mshpc_eager"), ("ddp_compiled", "ddp_eager")]
-    # across separately run groups a ratio would compare different moments of a shared machine
-    together = {a: r["group_of"][a] for a in tps}
-    return [line(a, b) for a, b in pairs if a in tps and b in tps and together[a] == together[b]]
+    pairs = [("mshpc_compiled", "ddp_compiled"), ("mshpc_compiled", "ddp_compiled_plain"),
+             ("mshpc_eager", "ddp_eager"), ("mshpc_compiled", "mshpc_eager"), ("ddp_compiled", "ddp_eager"),
+             ("ddp_compiled", "ddp_compiled_plain")]
+    return [line(a, b) for a, b in pairs if a in tps and b in tps]
 
 
 def main() -> None:
@@ -219,8 +247,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help=f"contenders to run together, of {','.join(CONTENDERS)}")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
-        for line in lines(shape, run_shape(shape, args)):
-            print(json.dumps(line), flush=True)
+        for group in run_shape(shape, args):
+            for line in lines(shape, group):
+                print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
