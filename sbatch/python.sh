@@ -12,13 +12,19 @@ if [ -n "${MSHPC_PYTHON:-}" ]; then
 else
   candidates=("$MSHPC_HOME/.venv/bin/python" python3)
 fi
+FIND_MSHPC_AND_TORCH='import importlib.util
+for name in ("mshpc", "torch"):
+    if importlib.util.find_spec(name) is None:
+        raise SystemExit(f"ModuleNotFoundError: No module named {name!r}")'
 PY='' tried=''
 for candidate in "${candidates[@]}"; do
   if ! command -v "$candidate" >/dev/null; then
     tried+="; $candidate: not found"
     continue
   fi
-  if why=$("$candidate" -c 'import mshpc, torch' 2>&1 >/dev/null); then
+  # found, not imported: importing torch takes seconds on every job start; a rare venv that
+  # holds both but cannot import them still fails, with the import's own traceback in the log
+  if why=$("$candidate" -c "$FIND_MSHPC_AND_TORCH" 2>&1 >/dev/null); then
     PY=$candidate
     break
   fi
