@@ -3,7 +3,9 @@
 Each failure comes back tagged with its rank; when one rank fails the others get a short grace
 and are then killed (they are usually stuck in a collective the failed rank never entered);
 at the timeout every unfinished rank dumps its Python stacks and is killed. So a hung
-collective fails one test, not the suite. Results travel as JSON, not pickle.
+collective fails one test, not the suite. The timeout counts from when every rank has joined
+the group, not from the spawn: importing torch takes seconds on a busy machine, and a test's
+timeout should not have to hold them. Results travel as JSON, not pickle.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+STARTUP_S = 180.0  # spawn, imports and joining the group, before a test's own timeout starts
+GLOO_TIMEOUT_MARGIN_S = 30.0
 
 
 class RankError(AssertionError):
@@ -47,8 +52,11 @@ def _rank_main(file: str, qualname: str, rank: int, world: int, store: str, dump
         for part in qualname.split("."):
             fn = getattr(fn, part)
         connect_lazily()  # as launch.rendezvous.init_distributed: gloo pairs connect on first use
+        # gloo's own timeout comes later than the runner's: a rank stuck in a collective is then
+        # reported by the runner as hung, with its stacks, not as a gloo error raced against it
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s + GLOO_TIMEOUT_MARGIN_S))
+        conn.send_bytes(json.dumps({"started": True}).encode())  # the runner's clock starts
         result = fn(rank, world, *args)
         conn.send_bytes(json.dumps({"ok": result}).encode())
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, tagged
@@ -64,7 +72,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     """Call fn(rank, world, *args) on `world` processes joined in a gloo default group and return
     each rank's (JSON-able) result in rank order. fn must be a module-level function; args are
     handed over by multiprocessing. Raises RankError naming every rank that failed or hung; after
-    a first failure the others get `grace_s` to report their own error."""
+    a first failure the others get `grace_s` to report their own error. `timeout_s` counts from
+    when the last rank joined the group (at most STARTUP_S after the spawn)."""
     ctx = mp.get_context("spawn")  # fork would inherit the parent's thread pools mid-use
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         dumps = [Path(tmp, f"stacks-{r}.txt") for r in range(world)]
@@ -79,14 +88,16 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
             conns.append(recv)
             procs.append(proc)
         try:
-            outcomes = _collect(conns, procs, time.monotonic() + timeout_s, grace_s)
+            outcomes, started = _collect(conns, procs, timeout_s, grace_s)
             hung = [r for r in range(world) if r not in outcomes]
             for rank in hung:
                 if procs[rank].is_alive() and procs[rank].pid is not None:
                     os.kill(procs[rank].pid, signal.SIGUSR1)  # faulthandler: write all stacks
             time.sleep(0.5 if hung else 0)
             failed = any("error" in o for o in outcomes.values())
-            why = "killed after another rank failed" if failed else f"timed out after {timeout_s:.0f} s"
+            why = ("killed after another rank failed" if failed
+                   else f"timed out after {timeout_s:.0f} s" if len(started) == world
+                   else f"not all ranks joined the group within {STARTUP_S:.0f} s")
             for rank in hung:
                 stacks = dumps[rank].read_text() if dumps[rank].exists() else ""
                 outcomes[rank] = {"error": f"{why}; its stacks:\n{stacks}"}
@@ -101,22 +112,31 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     return [outcomes[r]["ok"] for r in range(world)]
 
 
-def _collect(conns: list[Connection], procs: list[mp.process.BaseProcess], deadline: float,
-             grace_s: float) -> dict[int, dict]:
-    """Each rank's outcome, until all reported, or the deadline, or the grace after a failure."""
+def _collect(conns: list[Connection], procs: list[mp.process.BaseProcess], timeout_s: float,
+             grace_s: float) -> tuple[dict[int, dict], set[int]]:
+    """Each rank's outcome, until all reported, or the timeout after all started (STARTUP_S
+    after the spawn at most), or the grace after a failure; and the ranks that started."""
     outcomes: dict[int, dict] = {}
+    started: set[int] = set()
+    deadline = time.monotonic() + STARTUP_S
     while len(outcomes) < len(conns) and time.monotonic() < deadline:
         for rank, conn in enumerate(conns):
             if rank in outcomes:
                 continue
             if conn.poll(0.05):
                 try:
-                    outcomes[rank] = json.loads(conn.recv_bytes())
+                    message = json.loads(conn.recv_bytes())
                 except EOFError:
-                    outcomes[rank] = {"error": "exited without a result"}
+                    message = {"error": "exited without a result"}
+                if "started" in message:
+                    started.add(rank)
+                    if len(started) == len(conns):
+                        deadline = min(deadline, time.monotonic() + timeout_s)
+                    continue
+                outcomes[rank] = message
                 if "error" in outcomes[rank]:
                     deadline = min(deadline, time.monotonic() + grace_s)
             elif not procs[rank].is_alive() and not conn.poll(0):
                 outcomes[rank] = {"error": f"exited with code {procs[rank].exitcode} without a result"}
                 deadline = min(deadline, time.monotonic() + grace_s)
-    return outcomes
+    return outcomes, started
