@@ -16,8 +16,13 @@ variant per round, the order rotated every round so that machine noise falls on 
 
 A step's time is the gap between consecutive steps in rank 0's timings file: everything the loop
 does for the step, the loggers' writes included; runs with eval count only steps that neither
-evaluate nor follow an evaluation. Per variant: the median of its per-round ratios (its run's
-median step / that round's jsonl run's median step) and their min and max, the spread.
+evaluate nor follow an evaluation. Per variant, the headline: `pooled_ratio`, the median step
+of all its rounds pooled / the jsonl runs' pooled median, with a 90% interval from resampling
+whole rounds; and the median of its per-round ratios (its run's median step / that round's
+jsonl run's median step) with their min and max. Now and then a whole run here takes about 10%
+longer per step, whatever its variant (jsonl alone too: `run_median_step_s` lines, with each
+run's CPU, page faults and the hypervisor's steal), so a few rounds can put a variant 5-8% up
+or down by chance: take many rounds (--rounds 8) and read the interval.
 
 While a run trains, its process tree is read from /proc twice a second: the CPU seconds per
 steady-state step of rank 0's loop thread, rank 0's other threads (gloo's), rank 1, rank 0's
@@ -40,6 +45,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -163,24 +170,35 @@ class TreeCpu:
         self.thread.join()
 
     def per_step(self, start: float, end: float, steps: int) -> dict[str, float]:
-        """CPU seconds per step between unix times start and end (the samples nearest to each)."""
-        first = min(self.samples, key=lambda s: abs(s[0] - start))[1]
-        last = min(self.samples, key=lambda s: abs(s[0] - end))[1]
-        return {k: (last[k] - first.get(k, 0)) * TICK_S / steps for k in sorted(last)}
+        """CPU seconds per step between unix times start and end: the CPU rate between the first
+        and last samples inside that window (a sample after `end` can miss ranks that have
+        exited), times the mean step time."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        (t0, first), (t1, last) = inside[0], inside[-1]
+        return {k: (last[k] - first.get(k, 0)) * TICK_S / (t1 - t0) * (end - start) / steps for k in sorted(last)}
 
 
-def train(tmp: Path, name: str, overrides: list[str], steps: int) -> tuple[Path, TreeCpu]:
+def steal_s() -> float:
+    """Seconds the hypervisor ran something else while this VM's CPUs wanted to run (/proc/stat)."""
+    fields = (_read("/proc/stat") or "cpu 0 0 0 0 0 0 0 0").splitlines()[0].split()
+    return int(fields[8]) * TICK_S
+
+
+def train(tmp: Path, name: str, overrides: list[str], steps: int) -> tuple[Path, TreeCpu, dict[str, float]]:
     sets = [*BASE, f"run.out_dir={tmp}", f"run.name={name}", f"train.steps={steps}", *overrides]
     cmd = [sys.executable, "-m", "mshpc", "train", str(REPO / "configs/tiny.yaml"), "--nproc", "2",
            *[a for s in sets for a in ("--set", s)]]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=offline_env(tmp, name.startswith("wandb_sdk_in_rank0")), cwd=REPO)
-    cpu = TreeCpu(proc.pid)
+    cpu, before, stolen = TreeCpu(proc.pid), resource.getrusage(resource.RUSAGE_CHILDREN), steal_s()
     _, err = proc.communicate(timeout=1800)
     cpu.stop()
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{err[-3000:]}")
-    return tmp / name, cpu
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the whole run's tree: each parent waited
+    usage = {"user_s": round(after.ru_utime - before.ru_utime, 2), "sys_s": round(after.ru_stime - before.ru_stime, 2),
+             "minor_faults": after.ru_minflt - before.ru_minflt, "steal_s": round(steal_s() - stolen, 2)}
+    return tmp / name, cpu, usage
 
 
 def step_times(run_dir: Path) -> dict[int, float]:
@@ -193,6 +211,21 @@ def step_gaps(times: dict[int, float], interval: int) -> list[float]:
     evaluates = (lambda s: interval > 0 and s % interval == 0)
     return [times[s] - times[s - 1] for s in sorted(times)
             if s > WARMUP and s - 1 in times and not evaluates(s) and not evaluates(s - 1)]
+
+
+def bootstrap_ratio(rounds: list[list[float]], base: list[list[float]], draws: int = 2000) -> tuple[float, float]:
+    """A 90% interval of the pooled ratio, median(steps) / median(base steps), resampling whole
+    rounds in pairs (a variant's run and that round's jsonl run ran one after the other). Rounds,
+    not steps: here a whole run now and then takes about 10% longer per step, whichever variant
+    it is (the jsonl runs too), so steps within a run are not independent draws."""
+    rng = random.Random(0)
+    pairs = list(zip(rounds, base, strict=True))
+    ratios = []
+    for _ in range(draws):
+        drawn = rng.choices(pairs, k=len(pairs))
+        ratios.append(statistics.median(s for r, _ in drawn for s in r) / statistics.median(s for _, b in drawn for s in b))
+    ratios.sort()
+    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
 
 
 def children_cpu_s() -> float:
@@ -238,25 +271,33 @@ def emit(**fields: object) -> None:
     print(json.dumps({"bench": "loggers_eval", **fields}), flush=True)
 
 
-def measure(tmp: Path, args: argparse.Namespace) -> tuple[dict[str, list[list[float]]], dict[str, list[dict[str, float]]]]:
-    """Per variant: each round's step gaps, and each round's CPU seconds per step by part."""
+Measured = tuple[dict[str, list[list[float]]], dict[str, list[dict[str, float]]], dict[str, dict[int, list[float]]]]
+
+
+def measure(tmp: Path, args: argparse.Namespace) -> Measured:
+    """Per variant: each round's step gaps, each round's CPU seconds per step by part, and every
+    step's gap by its place between evaluations (step % interval; place 0 evaluates)."""
     names = args.variants
     gaps: dict[str, list[list[float]]] = {n: [] for n in names}
+    places: dict[str, dict[int, list[float]]] = {n: {} for n in names}
     cpu: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:  # rotated every round
             overrides, evaluates = VARIANTS[name]
             interval = args.interval if evaluates else 0
-            run_dir, tree = train(tmp, f"{name}-{r}", [*overrides, f"eval.interval_steps={interval}"], args.steps)
+            run_dir, tree, usage = train(tmp, f"{name}-{r}", [*overrides, f"eval.interval_steps={interval}"], args.steps)
             times = step_times(run_dir)
             gaps[name].append(step_gaps(times, interval))
+            for s in sorted(times):
+                if s > WARMUP and s - 1 in times:
+                    places[name].setdefault(s % args.interval, []).append(times[s] - times[s - 1])
             window = [s for s in times if s >= WARMUP]
             cpu[name].append(tree.per_step(times[min(window)], times[max(window)], max(window) - min(window)))
             # each run as it ends: a run cut short still leaves its rounds, and the load they saw
             emit(metric="run_median_step_s", variant=name, round=r, value=round(statistics.median(gaps[name][-1]), 4),
-                 unit="s", cpu_s_per_step={k: round(v, 5) for k, v in cpu[name][-1].items()},
+                 unit="s", cpu_s_per_step={k: round(v, 5) for k, v in cpu[name][-1].items()}, run_usage=usage,
                  load_avg_1m=round(os.getloadavg()[0], 1))
-    return gaps, cpu
+    return gaps, cpu, places
 
 
 def emit_rows(tmp: Path, step_s: float) -> None:
@@ -288,19 +329,30 @@ def main() -> None:
         if args.rows_only is not None:
             emit_rows(tmp, args.rows_only)
             return
-        gaps, cpu = measure(tmp, args)
+        gaps, cpu, places = measure(tmp, args)
         base = [statistics.median(g) for g in gaps["jsonl"]]
+        pooled_base = sum(gaps["jsonl"], [])
         for variant in args.variants:
             ratios = [statistics.median(g) / b for g, b in zip(gaps[variant], base, strict=True)]
-            emit(metric=f"step_time_{variant}_vs_jsonl_only", value=round(statistics.median(sum(gaps[variant], [])), 4),
-                 unit="s", baseline=round(statistics.median(sum(gaps["jsonl"], [])), 4),
+            pooled = sum(gaps[variant], [])
+            low, high = bootstrap_ratio(gaps[variant], gaps["jsonl"])
+            emit(metric=f"step_time_{variant}_vs_jsonl_only", value=round(statistics.median(pooled), 4),
+                 unit="s", baseline=round(statistics.median(pooled_base), 4),
+                 pooled_ratio=round(statistics.median(pooled) / statistics.median(pooled_base), 4),
+                 pooled_ratio_90pct=[round(low, 4), round(high, 4)],
                  ratio=round(statistics.median(ratios), 4), ratio_min=round(min(ratios), 4),
-                 ratio_max=round(max(ratios), 4), rounds=args.rounds, steps=sum(map(len, gaps[variant])))
+                 ratio_max=round(max(ratios), 4), rounds=args.rounds, steps=len(pooled))
             parts = sorted({k for c in cpu[variant] for k in c})
             emit(metric=f"cpu_s_per_step_{variant}", unit="s",
                  value={k: round(statistics.median(c.get(k, 0.0) for c in cpu[variant]), 5) for k in parts},
                  spread={k: [round(min(c.get(k, 0.0) for c in cpu[variant]), 5),
                              round(max(c.get(k, 0.0) for c in cpu[variant]), 5)] for k in parts})
+        # where between evaluations a configured evaluation's cost would fall, if it had one:
+        # place 0 evaluates, place 1 follows (both left out above), the rest are the claim's
+        for variant in (v for v in args.variants if VARIANTS[v][1]):
+            emit(metric=f"step_time_by_place_{variant}_vs_jsonl_only", unit="ratio", interval=args.interval,
+                 value={p: round(statistics.median(g) / statistics.median(pooled_base), 4)
+                        for p, g in sorted(places[variant].items())})
         # a rank's CPU per step is its step's work (2 ranks, 1 thread each), less load-bound than wall time
         emit_rows(tmp, statistics.median(c["rank1"] for c in cpu["jsonl"]))
 
