@@ -22,8 +22,9 @@ whole process, gloo's threads included: `time.process_time`), which a neighbour'
 moves, and reported as tokens per CPU-second beside tokens/s, with the load average at the start
 and the end of each shape. Each ratio comes with a 90% interval from resampling the rounds:
 at tiny a step is a quarter of a second, and 4 rounds of 2 steps read 1.135x and 1.064x in two
-quiet runs, so tiny takes many rounds. One command for both shapes, under 6 minutes on a quiet
-machine, and tiny alone with enough rounds to settle (about 3 minutes):
+quiet runs, so tiny takes many rounds. One command for both shapes (about 10 minutes on a quiet
+machine, 8.5 of them gpt-125m's three pairs), and tiny alone with enough rounds to settle (about
+3 minutes):
 
     .venv/bin/python benchmarks/compile_vs_ddp.py --rounds 4
     .venv/bin/python benchmarks/compile_vs_ddp.py --shapes tiny --rounds 20 --steps 4
