@@ -42,7 +42,6 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import random
 import socket
 import statistics
 import sys
@@ -53,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from intervals import paired_round_interval  # noqa: E402
 from two_ranks import REPO, WORKER_TIMEOUT_S, time_rounds  # noqa: E402
 
 CONTENDERS = ("mshpc_eager", "mshpc_compiled", "ddp_eager", "ddp_compiled", "ddp_compiled_plain")
@@ -200,21 +200,6 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def bootstrap_ratio(baseline: list[float], ours: list[float], draws: int = 2000) -> tuple[float, float]:
-    """A 90% interval of median(baseline) / median(ours) (a tokens/s ratio), resampling rounds in
-    pairs: the contenders of a round ran side by side, so a slow moment of the machine falls on
-    both. How far the headline ratio could move by chance; a few rounds of a few steps each swing
-    several percent here."""
-    rng = random.Random(0)
-    pairs = list(zip(baseline, ours, strict=True))
-    ratios = []
-    for _ in range(draws):
-        drawn = rng.choices(pairs, k=len(pairs))
-        ratios.append(statistics.median(b for b, _ in drawn) / statistics.median(o for _, o in drawn))
-    ratios.sort()
-    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
-
-
 def lines(shape: str, r: dict) -> list[dict]:
     tps = {name: r["tokens_per_step"] / statistics.median(s) for name, s in r["round_s"].items()}
     # per CPU-second of rank 0's process, both ranks' tokens: the figure load moves least
@@ -226,7 +211,9 @@ def lines(shape: str, r: dict) -> list[dict]:
         return {"bench": "compile_vs_ddp", "metric": f"tokens_per_s_{ours}_vs_{baseline}",
                 "value": round(tps[ours], 1), "unit": "tokens/s", "baseline": round(tps[baseline], 1),
                 "ratio": round(tps[ours] / tps[baseline], 3),
-                "ratio_90pct": [round(v, 3) for v in bootstrap_ratio(r["round_s"][baseline], r["round_s"][ours])],
+                # tokens/s, so the baseline's step times on top
+                "ratio_90pct": [round(v, 3) for v in paired_round_interval(
+                    [[t] for t in r["round_s"][baseline]], [[t] for t in r["round_s"][ours]])],
                 "rounds": len(r["round_s"][ours]),
                 "tokens_per_cpu_s": round(tpc[ours], 1), "baseline_tokens_per_cpu_s": round(tpc[baseline], 1),
                 "cpu_ratio": round(tpc[ours] / tpc[baseline], 3), **context}

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import statistics
 import subprocess
@@ -55,6 +54,8 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from intervals import paired_round_interval
 
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 5  # steps whose time is start-up, not steady state
@@ -213,21 +214,6 @@ def step_gaps(times: dict[int, float], interval: int) -> list[float]:
             if s > WARMUP and s - 1 in times and not evaluates(s) and not evaluates(s - 1)]
 
 
-def bootstrap_ratio(rounds: list[list[float]], base: list[list[float]], draws: int = 2000) -> tuple[float, float]:
-    """A 90% interval of the pooled ratio, median(steps) / median(base steps), resampling whole
-    rounds in pairs (a variant's run and that round's jsonl run ran one after the other). Rounds,
-    not steps: here a whole run now and then takes about 10% longer per step, whichever variant
-    it is (the jsonl runs too), so steps within a run are not independent draws."""
-    rng = random.Random(0)
-    pairs = list(zip(rounds, base, strict=True))
-    ratios = []
-    for _ in range(draws):
-        drawn = rng.choices(pairs, k=len(pairs))
-        ratios.append(statistics.median(s for r, _ in drawn for s in r) / statistics.median(s for _, b in drawn for s in b))
-    ratios.sort()
-    return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
-
-
 def children_cpu_s() -> float:
     """CPU seconds of this process's child processes (the logger process, W&B's service), from /proc."""
     ticks = 0
@@ -335,7 +321,7 @@ def main() -> None:
         for variant in args.variants:
             ratios = [statistics.median(g) / b for g, b in zip(gaps[variant], base, strict=True)]
             pooled = sum(gaps[variant], [])
-            low, high = bootstrap_ratio(gaps[variant], gaps["jsonl"])
+            low, high = paired_round_interval(gaps[variant], gaps["jsonl"])  # whole rounds: a run can be slow as a whole
             emit(metric=f"step_time_{variant}_vs_jsonl_only", value=round(statistics.median(pooled), 4),
                  unit="s", baseline=round(statistics.median(pooled_base), 4),
                  pooled_ratio=round(statistics.median(pooled) / statistics.median(pooled_base), 4),
