@@ -9,6 +9,7 @@ supervisor's attempt A; without it, in every attempt). KIND one of
   kill   SIGKILL this rank (a crash with no chance to clean up)
   kill_in_save  SIGKILL this rank in stage 2 of the save of step S, after every shard is
                 written and before rank 0 commits (so on rank 0 the save is never committed)
+  slow_save  sleep F seconds at that same point (a slow file system): `slow_save:rank=R:step=S:factor=F`
   stop   SIGSTOP this rank (a hang: the process is frozen, its heartbeat falls silent)
   raise_in_collective  the rank's next collective raises RuntimeError inside the comm wrapper
   nan    this rank's next forward pass returns NaN (the loss, then the weights, go NaN)
@@ -37,12 +38,12 @@ from mshpc.events import append_event
 from mshpc.fault_hooks import FaultHooks
 from mshpc.parallel.comm import RECORDER
 
-KINDS = ("raise", "kill", "kill_in_save", "stop", "raise_in_collective", "nan", "corrupt_latest",
+KINDS = ("raise", "kill", "kill_in_save", "slow_save", "stop", "raise_in_collective", "nan", "corrupt_latest",
          "slow", "gemm_slow", "gemm_wrong")
 # every other kind fires in the step phase
-_PHASE = {"kill_in_save": "save", "slow": "forward", "gemm_slow": "preflight", "gemm_wrong": "preflight"}
+_PHASE = {"kill_in_save": "save", "slow_save": "save", "slow": "forward", "gemm_slow": "preflight", "gemm_wrong": "preflight"}
 # what each kind takes besides its target (rank= or node=) and an optional attempt=
-_FIELDS = {"slow": {"step", "factor"}, "gemm_slow": set(), "gemm_wrong": set()}
+_FIELDS = {"slow": {"step", "factor"}, "slow_save": {"step", "factor"}, "gemm_slow": set(), "gemm_wrong": set()}
 SLOW_FACTOR = 4  # gemm_slow: each GEMM runs this many times and counts once
 
 
@@ -65,7 +66,7 @@ def _parse_one(text: str) -> Fault:
     extra = _FIELDS.get(kind, {"step"})
     if kind not in KINDS or set(values) not in ({"rank", *extra}, {"node", *extra}):
         raise ConfigError(f"MSHPC_TEST_FAULTS entry {text!r} must be KIND:rank=R:step=S or "
-                          f"KIND:node=NAME:step=S [:attempt=A] (slow: also :factor=F; gemm_*: no step), "
+                          f"KIND:node=NAME:step=S [:attempt=A] (slow, slow_save: also :factor=F; gemm_*: no step), "
                           f"KIND in {', '.join(KINDS)}")
     try:
         fault = Fault(kind, int(values.get("rank", -1)), int(values.get("step", 0)),
@@ -111,6 +112,8 @@ def _fire(fault: Fault, rank: int, step: int) -> None:
     message = f"injected fault at rank {rank} step {step}"
     if fault.kind in ("kill", "kill_in_save"):
         os.kill(os.getpid(), signal.SIGKILL)
+    elif fault.kind == "slow_save":
+        time.sleep(fault.factor)
     elif fault.kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind == "raise_in_collective":

@@ -319,6 +319,9 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                 watcher.stop(stop, info.rank, cfg)  # rank 0 requeues if asked; raises JobStopped
         ckpt.close()
         diag.close(final_step=cfg.train.steps)  # the last straggler look sees every rank's last step
+    except BaseException:
+        settle_save_in_flight(ckpt, beat)
+        raise
     finally:
         diag.close()
         loader.close()
@@ -329,6 +332,16 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     if run_dir is not None:
         log.info("run directory: %s", run_dir)
     return losses
+
+
+def settle_save_in_flight(ckpt: TrainCheckpointer, beat: Heartbeat) -> None:
+    """Before a failing rank leaves: its background save runs collectives, and exiting under
+    them crashed the rank (SIGSEGV), which the supervisor reported in place of the error. The
+    wait is the save's phase, with the save's timeout: a long save is no hang."""
+    step = ckpt.in_flight_step
+    if step is not None:
+        beat.phase("checkpoint", step - 1)  # the phase of the step that saved (0-based)
+        ckpt.close_after_error()
 
 
 @contextmanager

@@ -176,7 +176,13 @@ class CheckpointSaver:
         self._snapshot = HostSnapshot()
         self._stage1: Stage1 | None = None
         self._thread: threading.Thread | None = None
+        self._thread_step: int | None = None  # the step the thread saves
         self._error: BaseException | None = None
+
+    @property
+    def in_flight_step(self) -> int | None:
+        """The step of the save still running in the background (committed or not), if any."""
+        return self._thread_step if self._thread is not None else None
 
     def save(self, step: int, slices: dict[str, TensorSlice], extras: dict[str, Any]) -> float:
         """Every rank calls this at the same step; returns the seconds the caller was blocked.
@@ -189,6 +195,7 @@ class CheckpointSaver:
             self._thread = threading.Thread(target=self._persist, args=(step, self._stage1, extras),
                                             name=f"mshpc-ckpt-{step}", daemon=True)
             self._thread.start()
+            self._thread_step = step
         else:
             self._persist(step, self._snapshot.take(slices), extras)
             self._raise_pending()

@@ -118,6 +118,26 @@ class TrainCheckpointer:
         """Wait for the save in flight; raises if it failed."""
         self.saver.wait()
 
+    @property
+    def in_flight_step(self) -> int | None:
+        return self.saver.in_flight_step
+
+    def close_after_error(self) -> None:
+        """On the way out after an error: let the save in flight end before the process group
+        its thread talks on is destroyed. Every live rank's save thread goes on, so the save
+        commits (a checkpoint the restart can use) unless a rank is gone, and then its
+        collective fails at once. Its failure is logged; the error being raised is the rank's."""
+        step = self.saver.in_flight_step
+        if step is None:
+            return
+        if self.rank == 0:
+            log.info("finishing the checkpoint of step %d in flight before exiting", step)
+        try:
+            self.saver.wait()
+        except Exception as exc:
+            if self.rank == 0:
+                log.warning("the checkpoint of step %d in flight failed too: %s", step, exc)
+
     # ---------------------------------------------------------------- resume
 
     def resume(self) -> int:

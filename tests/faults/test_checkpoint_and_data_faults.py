@@ -95,3 +95,21 @@ def test_a_shard_truncated_under_the_job_is_a_data_error_at_once(tmp_path, corpu
     assert "restart" not in kinds(evs) and kinds(evs).count("attempt_start") == 1
     assert one(evs, "classified")["fault_class"] == "user_error"
     assert one(evs, "run_end")["exit_code"] == 2
+
+
+def test_a_rank_failing_while_a_save_is_in_flight_lets_it_commit_first(tmp_path, corpus_cache):
+    # rank 1 raises in step 5 while the save of step 4 is in stage 2, where rank 0 sits 4 s before
+    # committing: past the supervisor's 2 s stop grace, so a rank that left at once would have
+    # had rank 0 stopped before the commit (and, exiting under the save's collective, crashed)
+    out = supervised(tmp_path, corpus_cache, "s", "supervisor.max_restarts=0",
+                     faults="slow_save:rank=0:step=4:factor=4;raise:rank=1:step=4")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "mshpc: rank 1 exited with code 1: RuntimeError: injected fault at rank 1 step 4"), out.stderr[-3000:]
+    ckpts = tmp_path / "s" / "checkpoints"
+    assert os.readlink(ckpts / "latest") == "step-0000004"
+    assert "finishing the checkpoint of step 4 in flight before exiting" in out.stderr
+    verified = mshpc("ckpt", "verify", str(ckpts))
+    assert verified.returncode == 0 and "step-0000004: OK" in verified.stdout, verified.stdout + verified.stderr
+    detected = one(events(tmp_path / "s"), "failure_detected")
+    assert detected["phase"] == "checkpoint", detected  # the wait was the save's phase, not a hang

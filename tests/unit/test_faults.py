@@ -28,7 +28,8 @@ class Sleepy(nn.Module):
 def test_slow_spec_parses_and_bad_ones_say_how():
     assert parse_faults("slow:rank=1:step=50:factor=1.15;kill:rank=0:step=3") == (
         Fault("slow", 1, 50, 1.15), Fault("kill", 0, 3))
-    for bad, says in (("slow:rank=1:step=5", "slow: also :factor=F"), ("slow:rank=1:step=5:factor=0.5", ">= 1"),
+    assert parse_faults("slow_save:rank=0:step=4:factor=3") == (Fault("slow_save", 0, 4, 3.0),)
+    for bad, says in (("slow:rank=1:step=5", "slow_save: also :factor=F"), ("slow_save:rank=0:step=4", "factor"), ("slow:rank=1:step=5:factor=0.5", ">= 1"),
                       ("kill:rank=0:step=1:factor=2", "KIND:rank=R:step=S")):
         with pytest.raises(ConfigError, match=says):
             parse_faults(bad)
