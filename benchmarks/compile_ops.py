@@ -6,7 +6,7 @@ communication launches and the rest; with the GEMMs' achieved GFLOP/s (2mkn per 
 from its recorded shapes). It shows how much of a step either engine or kernel work can still
 change: the GEMMs are the same in both contenders.
 
-    .venv/bin/python benchmarks/compile_ops.py [--shape tiny] [--micro-batch 8] [--steps 6]
+    .venv/bin/python benchmarks/compile_ops.py [--shape tiny] [--micro-batch 8] [--steps 6] [--top 25]
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def gemm_flops(shapes: list) -> int:
     return 2 * m * k * n
 
 
-def profile_steps(step, finish, steps: int) -> dict:
+def profile_steps(step, finish, steps: int, top: int) -> dict:
     import torch
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -53,8 +53,10 @@ def profile_steps(step, finish, steps: int) -> dict:
             step()
             finish()
     by_category: dict[str, float] = {}
+    by_name: dict[str, float] = {}
     gemm_s = gemm_flop = 0.0
     for event in prof.key_averages(group_by_input_shape=True):
+        by_name[event.key] = by_name.get(event.key, 0.0) + event.self_cpu_time_total / 1e6
         seconds = event.self_cpu_time_total / 1e6
         by_category[category(event.key)] = by_category.get(category(event.key), 0.0) + seconds
         if event.key == "aten::mm":
@@ -64,7 +66,9 @@ def profile_steps(step, finish, steps: int) -> dict:
     return {"self_cpu_s_per_step": round(total / steps, 4),
             "share": {k: round(v / total, 4) for k, v in sorted(by_category.items())},
             "ms_per_step": {k: round(1e3 * v / steps, 2) for k, v in sorted(by_category.items())},
-            "gemm_gflop_per_s": round(gemm_flop / gemm_s / 1e9, 1) if gemm_s else None}
+            "gemm_gflop_per_s": round(gemm_flop / gemm_s / 1e9, 1) if gemm_s else None,
+            "top_ms_per_step": {k: round(1e3 * v / steps, 2)
+                                for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}}
 
 
 def worker(rank: int, port: int, args: argparse.Namespace) -> None:
@@ -83,7 +87,7 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
             step()
             finish()
     for name, (step, finish) in steps.items():  # both ranks profile the same contender at once
-        result = profile_steps(step, finish, args.steps)
+        result = profile_steps(step, finish, args.steps, args.top)
         if rank == 0:
             print(json.dumps({"bench": "compile_ops", "contender": name, "shape": args.shape,
                               "micro_batch_per_rank": args.micro_batch, "steps": args.steps, **result}), flush=True)
@@ -97,6 +101,7 @@ def main() -> None:
     parser.add_argument("--shape", default="tiny")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=6, help="profiled steps per contender")
+    parser.add_argument("--top", type=int, default=25, help="operators listed by name, heaviest first")
     args = parser.parse_args()
     mp.spawn(worker, args=(free_port(), args), nprocs=2)
 
