@@ -42,6 +42,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import resource
 import socket
 import statistics
 import sys
@@ -125,24 +126,28 @@ def worker(rank: int, port: int, shape: str, names: tuple[str, ...], args: argpa
     micro_batch = args.micro_batch_125m if shape == "gpt-125m" else args.micro_batch
     steps = build_steps(cfg, rank, micro_batch, names)
     cpu: dict[str, list[float]] = {name: [] for name in steps}
-    steps = {name: (cpu_timed(step, cpu[name]), finish) for name, (step, finish) in steps.items()}
+    faults: dict[str, list[int]] = {name: [] for name in steps}
+    steps = {name: (cpu_timed(step, cpu[name], faults[name]), finish) for name, (step, finish) in steps.items()}
     # the round-0 warm-up compiles every contender; what it spent is reported, not timed
     times = time_rounds(steps, args.rounds, args.steps)
     warm_up = 1 + args.steps  # round 0's lead-in and steps
     cpu_s = {name: statistics.median(s[warm_up:]) for name, s in cpu.items()}
+    faults_per_step = {name: statistics.mean(f[warm_up:]) for name, f in faults.items()}
     if rank == 0:
-        out.put(json.dumps({"round_s": times, "cpu_s": cpu_s, "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
+        out.put(json.dumps({"round_s": times, "cpu_s": cpu_s, "faults": faults_per_step, "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
                             "tokens_per_step": 2 * micro_batch * cfg.model.seq_len, "micro_batch": micro_batch,
                             "seq_len": cfg.model.seq_len, "params": sum(p.numel() for p in steps_params(cfg))}))
     dist.destroy_process_group()
 
 
-def cpu_timed(step: Callable[[], None], samples: list[float]) -> Callable[[], None]:
-    """`step`, appending the CPU seconds this process spent in each call (all its threads)."""
+def cpu_timed(step: Callable[[], None], samples: list[float], faults: list[int]) -> Callable[[], None]:
+    """`step`, appending the CPU seconds this process spent in each call (all its threads) and
+    its minor page faults (memory the allocator gave back to the OS and must fault in again)."""
     def timed() -> None:
-        start = time.process_time()
+        start, faulted = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         step()
         samples.append(time.process_time() - start)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
     return timed
 
 
@@ -216,7 +221,9 @@ def lines(shape: str, r: dict) -> list[dict]:
                     [[t] for t in r["round_s"][baseline]], [[t] for t in r["round_s"][ours]])],
                 "rounds": len(r["round_s"][ours]),
                 "tokens_per_cpu_s": round(tpc[ours], 1), "baseline_tokens_per_cpu_s": round(tpc[baseline], 1),
-                "cpu_ratio": round(tpc[ours] / tpc[baseline], 3), **context}
+                "cpu_ratio": round(tpc[ours] / tpc[baseline], 3),
+                "minor_faults_per_step": round(r["faults"][ours]),
+                "baseline_minor_faults_per_step": round(r["faults"][baseline]), **context}
 
     pairs = [("mshpc_compiled", "ddp_compiled"), ("mshpc_compiled", "ddp_compiled_plain"),
              ("mshpc_eager", "ddp_eager"), ("mshpc_compiled", "mshpc_eager"), ("ddp_compiled", "ddp_eager"),

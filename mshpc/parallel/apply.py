@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mshpc.config import Config, ParallelConfig
+from mshpc.host_memory import keep_freed_host_memory
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel.compile_blocks import apply_compile
@@ -52,10 +53,12 @@ class Parallelized:
 def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] = frozenset()) -> Parallelized:
     """Apply TP/SP, activation checkpointing, compilation and ZeRO to `model`, in that order;
     `tied`: see apply_zero. Collective over the tp and dp groups."""
+    device = next(model.parameters()).device
+    if device.type == "cpu":  # a CPU rank's step allocates its buffers on the host heap
+        keep_freed_host_memory()
     loss = apply_tp(model, mesh.tp, cfg.parallel) if mesh.shape.tp > 1 else loss_fn
     apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
     if cfg.train.compile:
-        device = next(model.parameters()).device
         apply_compile(_blocks(model), cfg.model.fused_kernels, device, fullgraph=mesh.shape.tp == 1)
     return Parallelized(apply_zero(model, mesh, cfg, tied), loss)
 
