@@ -4,7 +4,6 @@
 #include <vector>
 
 #include "dtype.h"
-#include "simd_exp.h"
 
 namespace mshpc {
 namespace {
@@ -12,12 +11,28 @@ namespace {
 constexpr double kBeta = 0.7978845608028654;  // sqrt(2 / pi)
 constexpr double kKappa = 0.044715;
 
-// tanh(u) = (e^2u - 1) / (e^2u + 1); clamped where tanh is 1 to float precision. GeLU uses
-// 1 + tanh and 1 - tanh^2, so the absolute error (~1e-7) is what matters, and it is small.
+// tanh as a rational function, odd degree 13 over even degree 6 in u (the minimax coefficients of
+// Eigen's fast float tanh), clamped at +-7.9 where tanh is 1 to float precision. Only multiplies,
+// adds and one division: no exp with its rounding and exponent bits, so the loop's dependency
+// chain is shorter (benchmarks/kernels.py --device cpu --only gelu: forward + backward 0.066 s,
+// 0.072 s with tanh through simd_exp). Absolute error 2.7e-7 (through exp: 1.3e-7); GeLU uses
+// 1 + tanh and 1 - tanh^2, so the absolute error is what matters.
 inline float simd_tanh(float u) {
-  u = u < -9.0f ? -9.0f : (u > 9.0f ? 9.0f : u);
-  float e = simd_exp(2.0f * u);
-  return (e - 1.0f) / (e + 1.0f);
+  constexpr float kClamp = 7.90531110763549805f;
+  u = u < -kClamp ? -kClamp : (u > kClamp ? kClamp : u);
+  float u2 = u * u;
+  float p = -2.76076847742355e-16f;
+  p = p * u2 + 2.00018790482477e-13f;
+  p = p * u2 - 8.60467152213735e-11f;
+  p = p * u2 + 5.12229709037114e-08f;
+  p = p * u2 + 1.48572235717979e-05f;
+  p = p * u2 + 6.37261928875436e-04f;
+  p = p * u2 + 4.89352455891786e-03f;
+  float q = 1.19825839466702e-06f;
+  q = q * u2 + 1.18534705686654e-04f;
+  q = q * u2 + 2.26843463243900e-03f;
+  q = q * u2 + 4.89352518554385e-03f;
+  return u * p / q;
 }
 inline double simd_tanh(double u) { return std::tanh(u); }
 
