@@ -20,7 +20,12 @@ The machine these runs share is often loaded far past its 2 cores, and then wall
 several-fold from run to run; so each contender's CPU time per step is measured too (rank 0's
 whole process, gloo's threads included: `time.process_time`), which a neighbour's load barely
 moves, and reported as tokens per CPU-second beside tokens/s, with the load average at the start
-and the end of each shape. Each ratio comes with a 90% interval from resampling the rounds:
+and the end of each shape; and the minor page faults per step of each. All contenders share their
+process's heap, so all run under mshpc's host-memory setting (mshpc/host_memory.py: freed memory
+stays in the heap, `"heap_kept": true` in each line), which parallelize() applies process-wide;
+with `GLIBC_TUNABLES` set (e.g. `GLIBC_TUNABLES=glibc.malloc.check=0`, a no-op tunable) mshpc
+leaves the allocator alone and all run under glibc's defaults, as a plain torch script does
+(`"heap_kept": false`). Each ratio comes with a 90% interval from resampling the rounds:
 at tiny a step is a quarter of a second, and 4 rounds of 2 steps read 1.135x and 1.064x in two
 quiet runs, so tiny takes many rounds. One command for both shapes (about 10 minutes on a quiet
 machine, 8.5 of them gpt-125m's three pairs), and tiny alone with enough rounds to settle (about
@@ -115,6 +120,7 @@ def worker(rank: int, port: int, shape: str, names: tuple[str, ...], args: argpa
     import torch.distributed as dist
 
     from mshpc.config import load_config
+    from mshpc.host_memory import freed_host_memory_kept
     from mshpc.parallel.compile_blocks import compile_seconds
 
     torch.set_num_threads(1)  # two ranks on this machine's cores
@@ -134,7 +140,8 @@ def worker(rank: int, port: int, shape: str, names: tuple[str, ...], args: argpa
     cpu_s = {name: statistics.median(s[warm_up:]) for name, s in cpu.items()}
     faults_per_step = {name: statistics.mean(f[warm_up:]) for name, f in faults.items()}
     if rank == 0:
-        out.put(json.dumps({"round_s": times, "cpu_s": cpu_s, "faults": faults_per_step, "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
+        out.put(json.dumps({"round_s": times, "cpu_s": cpu_s, "faults": faults_per_step,
+                            "heap_kept": freed_host_memory_kept(), "compile_s": compile_seconds(), "wall_s": time.perf_counter() - start,
                             "tokens_per_step": 2 * micro_batch * cfg.model.seq_len, "micro_batch": micro_batch,
                             "seq_len": cfg.model.seq_len, "params": sum(p.numel() for p in steps_params(cfg))}))
     dist.destroy_process_group()
@@ -210,7 +217,8 @@ def lines(shape: str, r: dict) -> list[dict]:
     # per CPU-second of rank 0's process, both ranks' tokens: the figure load moves least
     tpc = {name: r["tokens_per_step"] / s for name, s in r["cpu_s"].items()}
     context = {"shape": shape, "params": r["params"], "seq_len": r["seq_len"], "micro_batch_per_rank": r["micro_batch"],
-               "dp": 2, "device": "cpu", "compile_s_rank0": round(r["compile_s"], 1), "load_avg": r["load_avg"]}
+               "dp": 2, "device": "cpu", "compile_s_rank0": round(r["compile_s"], 1), "load_avg": r["load_avg"],
+               "heap_kept": r["heap_kept"]}
 
     def line(ours: str, baseline: str) -> dict:
         return {"bench": "compile_vs_ddp", "metric": f"tokens_per_s_{ours}_vs_{baseline}",

@@ -40,7 +40,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> Non
     import torch.distributed as dist
 
     from mshpc.config import load_config
-    from mshpc.host_memory import user_tuned_allocator
+    from mshpc.host_memory import freed_host_memory_kept
 
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -57,7 +57,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> Non
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
     finish()
     if rank == 0:
-        out.put(json.dumps({"seconds": seconds, "faults": faults, "kept": user_tuned_allocator() is None}))
+        out.put(json.dumps({"seconds": seconds, "faults": faults, "kept": freed_host_memory_kept()}))
     dist.destroy_process_group()
 
 

@@ -52,3 +52,8 @@ def keep_freed_host_memory() -> bool:
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
     return _applied
+
+
+def freed_host_memory_kept() -> bool:
+    """Whether keep_freed_host_memory set the thresholds in this process."""
+    return _applied

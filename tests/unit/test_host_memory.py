@@ -16,12 +16,14 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # adaptive, they move with whatever the interpreter happened to free while importing torch.
 CHURN = """
 import ctypes, resource, sys, torch
-from mshpc.host_memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_host_memory
+from mshpc.host_memory import (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, freed_host_memory_kept,
+                                keep_freed_host_memory)
 if sys.argv[1] == "glibc":
     for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
         ctypes.CDLL(None).mallopt(option, 128 * 1024)
 else:
-    print(keep_freed_host_memory())
+    assert keep_freed_host_memory() == freed_host_memory_kept()
+    print(freed_host_memory_kept())
 def churn():
     tensors = [torch.ones(25_000) for _ in range(160)]  # 100 kB each, 16 MB in all
     del tensors
