@@ -1,0 +1,127 @@
+"""What ZeRO-2's communication costs on CPU ranks: on gloo, its reduce-scatter plus all-gather
+of the gradients against DDP's one all-reduce of the same bytes, in wall time and in CPU time
+(at gpt-125m on 2 cores, the gloo threads' CPU is taken from the GEMMs); and whether an
+all-gather done as an all-to-all of the input sent to every rank (reading and writing the
+tensors in place, where gloo's all-gather copies through flat buffers on its worker thread)
+would cost less CPU than the gloo all-gather comm.all_gather uses.
+
+2 ranks on loopback, `--total-mb` of fp32 gradients in `--bucket-mb` buckets, every bucket's
+collective issued async and then waited, as the engines do. Four contenders take turns within
+each round: all_reduce (DDP's), comm.reduce_scatter, comm.all_gather, and the all-to-all
+all-gather. Per contender: median wall ms and median CPU ms of rank 0's process (all threads:
+gloo's work runs on its own), one JSON line each, then the two ratios.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gloo_collectives.py [--total-mb 64] [--bucket-mb 1]
+        [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from compile_vs_ddp import free_port  # noqa: E402
+from two_ranks import WORKER_TIMEOUT_S  # noqa: E402
+
+REPEATS = 3  # calls of a contender per round
+
+
+def contenders(total_mb: float, bucket_mb: float) -> dict[str, Callable[[], None]]:
+    import torch
+    import torch.distributed as dist
+
+    from mshpc.parallel import comm
+
+    numel = int(bucket_mb * 2**20) // 4 // 2 * 2  # even: two equal shards
+    grads = [torch.randn(numel) for _ in range(max(1, round(total_mb / bucket_mb)))]
+    shards = [torch.randn(numel // 2) for _ in grads]
+    params = [torch.empty(numel) for _ in grads]
+
+    def waited(issue: Callable[[int], object]) -> Callable[[], None]:
+        def run() -> None:
+            for work in [issue(i) for i in range(len(grads))]:
+                work.wait()  # type: ignore[attr-defined]
+        return run
+
+    return {
+        "all_reduce": waited(lambda i: dist.all_reduce(grads[i], async_op=True)),
+        "reduce_scatter": waited(lambda i: comm.reduce_scatter(shards[i], grads[i], async_op=True)),
+        "all_gather": waited(lambda i: comm.all_gather(params[i], shards[i], async_op=True)),
+        "all_gather_by_all_to_all": waited(
+            lambda i: dist.all_to_all_single(params[i], shards[i].repeat(2), async_op=True)),
+    }
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mshpc.parallel import comm
+
+    if args.message_mb:
+        comm.GLOO_MESSAGE_BYTES = int(args.message_mb * 2**20)
+    torch.set_num_threads(1)  # two ranks on this machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+    runs = contenders(args.total_mb, args.bucket_mb)
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name, run in runs.items():
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(REPEATS):
+                run()
+            if r:
+                wall[name].append((time.perf_counter() - start) / REPEATS)
+                cpu[name].append((time.process_time() - start_cpu) / REPEATS)
+    if rank == 0:
+        out.put(json.dumps({"wall": wall, "cpu": cpu}))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--total-mb", type=float, default=64.0, help="MiB of fp32 gradients")
+    parser.add_argument("--bucket-mb", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--message-mb", type=float, default=0.0,
+                        help="comm.GLOO_MESSAGE_BYTES in MiB, the pieces comm cuts gloo ops into (0: comm's own)")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = json.loads(out.get(timeout=WORKER_TIMEOUT_S))
+    for p in procs:
+        p.join()
+    wall = {name: statistics.median(v) * 1e3 for name, v in result["wall"].items()}
+    cpu = {name: statistics.median(v) * 1e3 for name, v in result["cpu"].items()}
+    context = {"total_mb": args.total_mb, "bucket_mb": args.bucket_mb, "ranks": 2, "backend": "gloo",
+               "rounds": args.rounds, "message_mb": args.message_mb or None}
+    for name in wall:
+        print(json.dumps({"bench": "gloo_collectives", "metric": f"{name}_ms", "value": round(wall[name], 2),
+                          "unit": "ms", "cpu_ms": round(cpu[name], 2), **context}))
+    pairs = [("all_gather_by_all_to_all", "all_gather"), ("reduce_scatter+all_gather", "all_reduce")]
+    for ours, baseline in pairs:
+        mine = sum(cpu[n] for n in ours.split("+"))
+        theirs = cpu[baseline]
+        mine_wall = sum(wall[n] for n in ours.split("+"))
+        print(json.dumps({"bench": "gloo_collectives", "metric": f"cpu_{ours}_vs_{baseline}", "value": round(mine, 2),
+                          "unit": "ms", "baseline": round(theirs, 2), "ratio": round(mine / theirs, 3),
+                          "wall_ratio": round(mine_wall / wall[baseline], 3), **context}))
+
+
+if __name__ == "__main__":
+    main()
