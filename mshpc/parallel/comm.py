@@ -14,7 +14,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -139,13 +139,20 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class Pieces:
-    """An async collective issued as several gloo ops, each with a local step that completes it
-    (a sum, a copy). wait() runs those steps on the waiting thread: done as callbacks, they
-    would hold one of gloo's two worker threads until the GIL came free, stalling the
-    collectives queued behind."""
+class _Waitable(Protocol):
+    def wait(self) -> bool: ...
 
-    def __init__(self, parts: list[tuple[dist.Work, Callable[[], object] | None]]) -> None:
+
+# one gloo op of a collective, and the local step (a sum) that runs once it is done
+_Part = tuple[_Waitable, Callable[[], object] | None]
+
+
+class Pieces:
+    """An async collective issued as several gloo ops, some with a local step that completes
+    them (a sum). wait() runs those steps on the waiting thread: done as callbacks, they would
+    hold one of gloo's threads until the GIL came free, stalling the ops queued behind."""
+
+    def __init__(self, parts: list[_Part]) -> None:
         self._parts = parts
 
     def wait(self) -> bool:
@@ -192,18 +199,30 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, size: int, group:
 
 def _reduce_scatter_gloo(output: torch.Tensor, rows: torch.Tensor, group: dist.ProcessGroup | None) -> Pieces:
     # Gloo's own reduce_scatter (list, _tensor and _single alike) takes as long as a full
-    # all_reduce of the input. all_to_all_single sends each rank only its chunk, (size-1)/size
-    # of the input, as a ring reduce-scatter does; the sum is local. Measured, 16 MiB as async
-    # 1 MiB buckets on 2 ranks (benchmarks/dp_overlap.py re-measures it on every run): 0.072 s
-    # vs 0.141 s over a 1 Gbit/s veth, 0.017 s vs 0.028 s unlimited; 4 ranks on loopback,
-    # 16 MiB as 4 MiB ops: 0.020 s vs 0.044 s.
-    parts: list[tuple[dist.Work, Callable[[], object] | None]] = []
+    # all_reduce of the input. Point-to-point sends move each rank only its chunk, (size-1)/size
+    # of the input, as a ring reduce-scatter does, straight from the input's rows (all_to_all
+    # copied every piece into a send buffer first, and gloo copies this rank's own chunk through
+    # its own buffer); the sum is local. CPU per 200 MiB in 25 MiB buckets, 2 ranks on loopback
+    # (benchmarks/gloo_collectives.py): all_to_all 146 ms, point-to-point 67 ms, DDP's all_reduce
+    # 82 ms for all of it.
+    me, peers = _peers(group)
+    parts: list[_Part] = []
     for lo, hi in _pieces(rows.shape[1], rows.element_size()):
-        send = rows[:, lo:hi].contiguous()  # (size, hi - lo): this piece of every rank's chunk
-        received = torch.empty_like(send)
-        work = dist.all_to_all_single(received, send, group=group, async_op=True)
-        parts.append((work, functools.partial(torch.sum, received, dim=0, out=output[lo:hi])))
+        own = rows[me, lo:hi]
+        if len(peers) == 1:  # the sum of two rows is one add, bitwise the same in either order
+            received = torch.empty_like(own)
+            parts += _exchange([(rows[j, lo:hi], received, peer) for j, peer in peers], group)
+            parts.append((_DONE, functools.partial(torch.add, own, received, out=output[lo:hi])))
+            continue
+        received = torch.empty(rows.shape[0], hi - lo, dtype=rows.dtype, device=rows.device)
+        parts += _exchange([(rows[j, lo:hi], received[j], peer) for j, peer in peers], group)
+        parts.append((_DONE, functools.partial(_sum_rows, received, me, own, output[lo:hi])))
     return Pieces(parts)
+
+
+def _sum_rows(received: torch.Tensor, me: int, own: torch.Tensor, out: torch.Tensor) -> None:
+    received[me].copy_(own)  # summed in rank order, as gloo's own reduction did
+    torch.sum(received, dim=0, out=out)
 
 
 def all_gather(
@@ -229,16 +248,44 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, size: int, group: dis
 
 
 def _all_gather_gloo(rows: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None) -> Pieces:
-    pieces = _pieces(input.numel(), input.element_size())
-    if len(pieces) == 1:  # one message: straight into the output
-        return Pieces([(_all_gather_single(rows.view(-1), input, group=group, async_op=True), None)])
-    parts: list[tuple[dist.Work, Callable[[], object] | None]] = []
-    for lo, hi in pieces:
-        received = torch.empty(rows.shape[0] * (hi - lo), dtype=rows.dtype, device=rows.device)
-        work = _all_gather_single(received, input[lo:hi], group=group, async_op=True)
-        out = rows[:, lo:hi]
-        parts.append((work, functools.partial(out.copy_, received.view(out.shape))))
+    # Point-to-point, each peer's piece received straight into its row of the output: gloo's
+    # all_gather goes through a flat buffer that is then copied out. CPU per 200 MiB in 25 MiB
+    # buckets, 2 ranks on loopback (benchmarks/gloo_collectives.py): 145 ms, 60 ms point-to-point.
+    me, peers = _peers(group)
+    if rows[me].data_ptr() != input.data_ptr():
+        rows[me].copy_(input)
+    parts: list[_Part] = []
+    for lo, hi in _pieces(input.numel(), input.element_size()):
+        parts += _exchange([(input[lo:hi], rows[j, lo:hi], peer) for j, peer in peers], group)
     return Pieces(parts)
+
+
+class _Done:
+    """A part of Pieces with nothing left to wait for, only its local step."""
+
+    def wait(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
+def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[tuple[int, int]]]:
+    """This rank's index in `group`, and every other member as (index, global rank)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    me = dist.get_rank(group)
+    return me, [(j, rank) for j, rank in enumerate(ranks) if j != me]
+
+
+def _exchange(moves: list[tuple[torch.Tensor, torch.Tensor, int]],
+              group: dist.ProcessGroup | None) -> list[_Part]:
+    # (send, receive into, peer): both posted before either is waited on, so two peers sending
+    # to each other cannot deadlock; each (pair, tag) delivers in the order posted, and every
+    # rank posts the same pieces in the same order
+    works = []
+    for send, receive, peer in moves:
+        works += [dist.isend(send, dst=peer, group=group), dist.irecv(receive, src=peer, group=group)]
+    return [(w, None) for w in works if w is not None]
 
 
 def _pieces(numel: int, element_size: int) -> list[tuple[int, int]]:
