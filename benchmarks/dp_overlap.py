@@ -100,7 +100,7 @@ def build_steps(model_cfg, optim_cfg, bucket_mb: float, micro_batch: int, rank: 
 
 
 def time_reduce_scatter(bucket_mb: float, mib: int = 16, repeats: int = 5) -> dict[str, float]:
-    """Gloo's reduce-scatter as the engine does it (comm.reduce_scatter: all_to_all_single and a
+    """Gloo's reduce-scatter as the engine does it (comm.reduce_scatter: point-to-point sends and a
     local sum) against gloo's own reduce_scatter_single: `mib` MiB as async bucket_mb buckets."""
     import torch
     import torch.distributed as dist
@@ -142,7 +142,7 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
     return [line("step_time_overlap_vs_no_overlap", t["overlap"], t["no_overlap"]),
             line("step_time_overlap_vs_torch_ddp", t["overlap"], t["ddp"]),
-            line("gloo_reduce_scatter_all_to_all_vs_reduce_scatter_single", rs["engine"], rs["reduce_scatter_single"])]
+            line("gloo_reduce_scatter_p2p_vs_reduce_scatter_single", rs["engine"], rs["reduce_scatter_single"])]
 
 
 def main() -> None:
