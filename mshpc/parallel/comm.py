@@ -278,6 +278,11 @@ def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[tuple[int, int]]]
     return me, [(j, rank) for j, rank in enumerate(ranks) if j != me]
 
 
+# The tag of the sends that make up a collective: apart from the plain point-to-point ops
+# (isend, irecv, exchange: tag 0) that another part of a run may post on the same group.
+_COLLECTIVE_TAG = 1
+
+
 def _exchange(moves: list[tuple[torch.Tensor, torch.Tensor, int]],
               group: dist.ProcessGroup | None) -> list[_Part]:
     # (send, receive into, peer): both posted before either is waited on, so two peers sending
@@ -285,7 +290,8 @@ def _exchange(moves: list[tuple[torch.Tensor, torch.Tensor, int]],
     # rank posts the same pieces in the same order
     works = []
     for send, receive, peer in moves:
-        works += [dist.isend(send, dst=peer, group=group), dist.irecv(receive, src=peer, group=group)]
+        works += [dist.isend(send, dst=peer, group=group, tag=_COLLECTIVE_TAG),
+                  dist.irecv(receive, src=peer, group=group, tag=_COLLECTIVE_TAG)]
     return [(w, None) for w in works if w is not None]
 
 
