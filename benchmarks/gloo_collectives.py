@@ -3,8 +3,8 @@ of the gradients against DDP's one all-reduce of the same bytes, in wall time an
 (at gpt-125m on 2 cores, the communication's CPU is taken from the GEMMs); and an all-gather
 done as one gloo all-to-all of the input sent to every rank, against comm.all_gather's
 point-to-point sends (2026-12-05: gloo's own all-gather, which copies through flat buffers on
-its worker thread, took 145 ms of CPU per 200 MiB in 25 MiB buckets, the all-to-all 102-121 ms,
-point-to-point sends 60-68 ms).
+its worker thread, took 148 ms of CPU per 200 MiB in 25 MiB buckets, the all-to-all 102-121 ms,
+point-to-point sends 68 ms).
 
 2 ranks on loopback, `--total-mb` of fp32 gradients in `--bucket-mb` buckets, every bucket's
 collective issued async and then waited, as the engines do. Four contenders take turns within

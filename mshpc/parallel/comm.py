@@ -204,8 +204,8 @@ def _reduce_scatter_gloo(output: torch.Tensor, rows: torch.Tensor, group: dist.P
     # of the input, as a ring reduce-scatter does, straight from the input's rows (all_to_all
     # copied every piece into a send buffer first, and gloo copies this rank's own chunk through
     # its own buffer); the sum is local. CPU per 200 MiB in 25 MiB buckets, 2 ranks on loopback
-    # (benchmarks/gloo_collectives.py): all_to_all 146 ms, point-to-point 67 ms, DDP's all_reduce
-    # 82 ms for all of it.
+    # (benchmarks/gloo_collectives.py): all_to_all 145 ms, point-to-point 70 ms, DDP's all_reduce
+    # 84-113 ms for all of it.
     me, peers = _peers(group)
     parts: list[_Part] = []
     for lo, hi in _pieces(rows.shape[1], rows.element_size()):
@@ -251,7 +251,7 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, size: int, group: dis
 def _all_gather_gloo(rows: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None) -> Pieces:
     # Point-to-point, each peer's piece received straight into its row of the output: gloo's
     # all_gather goes through a flat buffer that is then copied out. CPU per 200 MiB in 25 MiB
-    # buckets, 2 ranks on loopback (benchmarks/gloo_collectives.py): 145 ms, 60 ms point-to-point.
+    # buckets, 2 ranks on loopback (benchmarks/gloo_collectives.py): 148 ms, 68 ms point-to-point.
     me, peers = _peers(group)
     if rows[me].data_ptr() != input.data_ptr():
         rows[me].copy_(input)
