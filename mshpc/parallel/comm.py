@@ -14,7 +14,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -139,12 +139,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class _Waitable(Protocol):
-    def wait(self) -> bool: ...
-
-
 # one gloo op of a collective, and the local step (a sum) that runs once it is done
-_Part = tuple[_Waitable, Callable[[], object] | None]
+_Part = tuple[dist.Work, Callable[[], object] | None]
 
 
 class Pieces:
@@ -210,14 +206,17 @@ def _reduce_scatter_gloo(output: torch.Tensor, rows: torch.Tensor, group: dist.P
     parts: list[_Part] = []
     for lo, hi in _pieces(rows.shape[1], rows.element_size()):
         own = rows[me, lo:hi]
+        finish: Callable[[], object]
         if len(peers) == 1:  # the sum of two rows is one add, bitwise the same in either order
             received = torch.empty_like(own)
-            parts += _exchange([(rows[j, lo:hi], received, peer) for j, peer in peers], group)
-            parts.append((_DONE, functools.partial(torch.add, own, received, out=output[lo:hi])))
-            continue
-        received = torch.empty(rows.shape[0], hi - lo, dtype=rows.dtype, device=rows.device)
-        parts += _exchange([(rows[j, lo:hi], received[j], peer) for j, peer in peers], group)
-        parts.append((_DONE, functools.partial(_sum_rows, received, me, own, output[lo:hi])))
+            into = [received]
+            finish = functools.partial(torch.add, own, received, out=output[lo:hi])
+        else:
+            received = torch.empty(rows.shape[0], hi - lo, dtype=rows.dtype, device=rows.device)
+            into = [received[j] for j, _ in peers]
+            finish = functools.partial(_sum_rows, received, me, own, output[lo:hi])
+        moves = [(rows[j, lo:hi], buffer, peer) for (j, peer), buffer in zip(peers, into, strict=True)]
+        parts += _exchange(moves, group, finish)
     return Pieces(parts)
 
 
@@ -261,16 +260,6 @@ def _all_gather_gloo(rows: torch.Tensor, input: torch.Tensor, group: dist.Proces
     return Pieces(parts)
 
 
-class _Done:
-    """A part of Pieces with nothing left to wait for, only its local step."""
-
-    def wait(self) -> bool:
-        return True
-
-
-_DONE = _Done()
-
-
 def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[tuple[int, int]]]:
     """This rank's index in `group`, and every other member as (index, global rank)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
@@ -283,16 +272,18 @@ def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[tuple[int, int]]]
 _COLLECTIVE_TAG = 1
 
 
-def _exchange(moves: list[tuple[torch.Tensor, torch.Tensor, int]],
-              group: dist.ProcessGroup | None) -> list[_Part]:
+def _exchange(moves: list[tuple[torch.Tensor, torch.Tensor, int]], group: dist.ProcessGroup | None,
+              finish: Callable[[], object] | None = None) -> list[_Part]:
     # (send, receive into, peer): both posted before either is waited on, so two peers sending
     # to each other cannot deadlock; each (pair, tag) delivers in the order posted, and every
-    # rank posts the same pieces in the same order
-    works = []
+    # rank posts the same pieces in the same order. `finish` runs once all of them are done.
+    works: list[dist.Work] = []
     for send, receive, peer in moves:
-        works += [dist.isend(send, dst=peer, group=group, tag=_COLLECTIVE_TAG),
-                  dist.irecv(receive, src=peer, group=group, tag=_COLLECTIVE_TAG)]
-    return [(w, None) for w in works if w is not None]
+        for work in (dist.isend(send, dst=peer, group=group, tag=_COLLECTIVE_TAG),
+                     dist.irecv(receive, src=peer, group=group, tag=_COLLECTIVE_TAG)):
+            assert work is not None  # None only for a rank outside the group
+            works.append(work)
+    return [(w, None) for w in works[:-1]] + [(works[-1], finish)]
 
 
 def _pieces(numel: int, element_size: int) -> list[tuple[int, int]]:
