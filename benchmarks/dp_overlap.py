@@ -60,7 +60,10 @@ def build_steps(model_cfg, optim_cfg, bucket_mb: float, micro_batch: int, rank: 
     gen = torch.Generator().manual_seed(rank)
     batch = torch.randint(0, model_cfg.vocab_size, (micro_batch, model_cfg.seq_len + 1), generator=gen)
     x, y = batch[:, :-1], batch[:, 1:]
-    engines = {o: build_zero_engine(fresh(), optim_cfg, ParallelConfig(dp=2, dp_overlap=o, bucket_mb=bucket_mb))
+    # the two ranks share this host's /dev/shm whatever namespaces their links are in: the
+    # buckets stay private so that the collectives cross the emulated link
+    engines = {o: build_zero_engine(fresh(), optim_cfg, ParallelConfig(dp=2, dp_overlap=o, bucket_mb=bucket_mb,
+                                                                        dp_shared_memory=False))
                for o in (True, False)}
     ddp = DistributedDataParallel(fresh(), bucket_cap_mb=bucket_mb)
     ddp_opt = build_optimizer(ddp.module, optim_cfg)

@@ -4,12 +4,13 @@ of the gradients against DDP's one all-reduce of the same bytes, in wall time an
 done as one gloo all-to-all of the input sent to every rank, against comm.all_gather's
 point-to-point sends (2026-12-05: gloo's own all-gather, which copies through flat buffers on
 its worker thread, took 148 ms of CPU per 200 MiB in 25 MiB buckets, the all-to-all 102-121 ms,
-point-to-point sends 68 ms).
+point-to-point sends 68 ms); and the same two collectives on buckets in shared memory
+(mshpc/parallel/host_shared.py: the peers' rows read in place, one byte per peer through gloo).
 
 2 ranks on loopback, `--total-mb` of fp32 gradients in `--bucket-mb` buckets, every bucket's
-collective issued async and then waited, as the engines do. Four contenders take turns within
-each round: all_reduce (DDP's), comm.reduce_scatter, comm.all_gather, and the all-to-all
-all-gather. Per contender: median wall ms and median CPU ms of rank 0's process (all threads:
+collective issued async and then waited, as the engines do. Six contenders take turns within
+each round: all_reduce (DDP's), comm.reduce_scatter, comm.all_gather, the all-to-all
+all-gather, and host_shared's reduce-scatter and all-gather. Per contender: median wall ms and median CPU ms of rank 0's process (all threads:
 gloo's work runs on its own), one JSON line each, then the two ratios.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gloo_collectives.py [--total-mb 64] [--bucket-mb 1]
@@ -40,12 +41,20 @@ def contenders(total_mb: float, bucket_mb: float) -> dict[str, Callable[[], None
     import torch
     import torch.distributed as dist
 
-    from mshpc.parallel import comm
+    from mshpc.parallel import comm, host_shared
 
     numel = int(bucket_mb * 2**20) // 4 // 2 * 2  # even: two equal shards
     grads = [torch.randn(numel) for _ in range(max(1, round(total_mb / bucket_mb)))]
     shards = [torch.randn(numel // 2) for _ in grads]
     params = [torch.empty(numel) for _ in grads]
+    # the ZeRO engine's buckets in shared memory: buffer 2i holds bucket i's parameters, 2i + 1
+    # its gradients. The repeated all-gathers of one round may rewrite a row a peer is still
+    # copying, with the same bytes: the engine orders those (host_shared.py), a benchmark need not
+    shared = host_shared.map_buffers([(numel, torch.float32)] * 2 * len(grads), None)
+    assert shared is not None, "the two ranks could not share memory in /dev/shm"
+    for i, g in enumerate(grads):
+        shared.local[2 * i + 1].copy_(g)
+    me = dist.get_rank()
 
     def waited(issue: Callable[[int], object]) -> Callable[[], None]:
         def run() -> None:
@@ -59,6 +68,9 @@ def contenders(total_mb: float, bucket_mb: float) -> dict[str, Callable[[], None
         "all_gather": waited(lambda i: comm.all_gather(params[i], shards[i], async_op=True)),
         "all_gather_by_all_to_all": waited(
             lambda i: dist.all_to_all_single(params[i], shards[i].repeat(2), async_op=True)),
+        "shared_reduce_scatter": waited(
+            lambda i: host_shared.reduce_scatter(shared, 2 * i + 1, shared.local[2 * i + 1].view(2, -1)[me])),
+        "shared_all_gather": waited(lambda i: host_shared.all_gather(shared, 2 * i, shards[i])),
     }
 
 
@@ -114,7 +126,8 @@ def main() -> None:
     for name in wall:
         print(json.dumps({"bench": "gloo_collectives", "metric": f"{name}_ms", "value": round(wall[name], 2),
                           "unit": "ms", "cpu_ms": round(cpu[name], 2), **context}))
-    pairs = [("all_gather_by_all_to_all", "all_gather"), ("reduce_scatter+all_gather", "all_reduce")]
+    pairs = [("all_gather_by_all_to_all", "all_gather"), ("reduce_scatter+all_gather", "all_reduce"),
+             ("shared_reduce_scatter+shared_all_gather", "all_reduce")]
     for ours, baseline in pairs:
         mine = sum(cpu[n] for n in ours.split("+"))
         theirs = cpu[baseline]

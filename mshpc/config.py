@@ -76,6 +76,9 @@ class ParallelConfig:
     # MiB of fp32 gradients per bucket (one reduce-scatter, one all-gather), DDP's default;
     # smaller buckets start communicating earlier in backward, at more per-collective overhead
     bucket_mb: float = 25.0
+    # dp ranks of one host on CPU (gloo) keep their buckets in shared memory and read each other's
+    # rows from it, instead of sending them over loopback TCP (mshpc/parallel/host_shared.py)
+    dp_shared_memory: bool = True
     # tp > 1 runs sequence parallelism (Korthikanti et al. 2022); with overlap its all-gathers and
     # reduce-scatters go in this many chunks along the sequence, each overlapping a GEMM
     tp_overlap: bool = True

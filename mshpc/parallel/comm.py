@@ -12,7 +12,7 @@ import collections
 import functools
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -202,7 +202,7 @@ def _reduce_scatter_gloo(output: torch.Tensor, rows: torch.Tensor, group: dist.P
     # its own buffer); the sum is local. CPU per 200 MiB in 25 MiB buckets, 2 ranks on loopback
     # (benchmarks/gloo_collectives.py): all_to_all 145 ms, point-to-point 70 ms, DDP's all_reduce
     # 84-113 ms for all of it.
-    me, peers = _peers(group)
+    me, peers = peers_of(group)
     parts: list[_Part] = []
     for lo, hi in _pieces(rows.shape[1], rows.element_size()):
         own = rows[me, lo:hi]
@@ -251,7 +251,7 @@ def _all_gather_gloo(rows: torch.Tensor, input: torch.Tensor, group: dist.Proces
     # Point-to-point, each peer's piece received straight into its row of the output: gloo's
     # all_gather goes through a flat buffer that is then copied out. CPU per 200 MiB in 25 MiB
     # buckets, 2 ranks on loopback (benchmarks/gloo_collectives.py): 148 ms, 68 ms point-to-point.
-    me, peers = _peers(group)
+    me, peers = peers_of(group)
     if rows[me].data_ptr() != input.data_ptr():
         rows[me].copy_(input)
     parts: list[_Part] = []
@@ -260,7 +260,7 @@ def _all_gather_gloo(rows: torch.Tensor, input: torch.Tensor, group: dist.Proces
     return Pieces(parts)
 
 
-def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[tuple[int, int]]]:
+def peers_of(group: dist.ProcessGroup | None) -> tuple[int, list[tuple[int, int]]]:
     """This rank's index in `group`, and every other member as (index, global rank)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
     me = dist.get_rank(group)
@@ -284,6 +284,18 @@ def _exchange(moves: list[tuple[torch.Tensor, torch.Tensor, int]], group: dist.P
             assert work is not None  # None only for a rank outside the group
             works.append(work)
     return [(w, None) for w in works[:-1]] + [(works[-1], finish)]
+
+
+def signal_peers(group: dist.ProcessGroup | None, op: str, nbytes: int, peers: Sequence[tuple[int, int]],
+                 finish: Callable[[], object]) -> Pending:
+    """Async: a one-byte "ready" to and from each of `peers` ((index, global rank) in group order,
+    as peers_of gives them), then `finish` on the waiting thread. For a collective whose data
+    moves some other way (mshpc/parallel/host_shared.py); recorded and timed as `op` of `nbytes`."""
+    def post() -> Pieces:
+        ready = torch.ones(1, dtype=torch.uint8)
+        moves = [(ready, torch.empty(1, dtype=torch.uint8), peer) for _, peer in peers]
+        return Pieces(_exchange(moves, group, finish))
+    return _collective(group, op, nbytes, post)
 
 
 def _pieces(numel: int, element_size: int) -> list[tuple[int, int]]:

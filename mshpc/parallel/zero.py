@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mshpc.parallel import comm
+from mshpc.parallel import comm, host_shared
 from mshpc.parallel.buckets import BucketLayout
+from mshpc.parallel.host_shared import HostShared
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.tensor_slice import SliceReader, TensorSlice
 
@@ -125,7 +126,7 @@ class ZeroEngine:
         self, model: nn.Module, params: list[nn.Parameter], buckets: list[Bucket],
         bucket_of: list[int], grad_views: list[torch.Tensor], pieces: list[ShardPiece],
         optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None, overlap: bool,
-        mp: ModelParallel,
+        mp: ModelParallel, shared: HostShared | None = None,
     ) -> None:
         self.model = model
         self.params = params
@@ -137,6 +138,7 @@ class ZeroEngine:
         self.group = group
         self.overlap = overlap
         self.mp = mp
+        self.shared = shared  # the buckets' buffers in shared memory (zero_build.map_shared_buckets)
         self.dp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._ready = [0] * len(buckets)  # parameters whose gradient is complete, per bucket
@@ -283,10 +285,20 @@ class ZeroEngine:
             bucket = self.buckets[self._next_reduce]
             if not force and self._ready[self._next_reduce] < len(bucket.layout.slots):
                 return
+            if self._next_reduce == 0:
+                # the step's first signal to the peers: with shared buckets, every read of their
+                # rows for the last step's gathers must be done before it (host_shared.py)
+                self.wait_params()
             self._zero_unused(bucket)
-            # async: on NCCL the collective runs on its own stream, on gloo on its worker threads
-            self._reducing.append(comm.reduce_scatter(bucket.shard_grad, bucket.grads, self.group, async_op=True))
+            self._reducing.append(self._reduce_scatter(self._next_reduce))
             self._next_reduce += 1
+
+    def _reduce_scatter(self, b: int) -> comm.Pending | None:
+        bucket = self.buckets[b]
+        if self.shared is not None:
+            return host_shared.reduce_scatter(self.shared, 2 * b + 1, bucket.shard_grad)
+        # async: on NCCL the collective runs on its own stream, on gloo as point-to-point sends
+        return comm.reduce_scatter(bucket.shard_grad, bucket.grads, self.group, async_op=True)
 
     def _zero_unused(self, bucket: Bucket) -> None:
         # a parameter no micro-batch of this step reached (unused, or a frozen branch) would
@@ -318,7 +330,9 @@ class ZeroEngine:
             bucket = self.buckets[b]
             source = bucket.master.to(bucket.params.dtype)  # no copy for fp32 parameters
             # the source rides along with its Work: NCCL reads it until the gather completes
-            self._gathering[b] = (comm.all_gather(bucket.params, source, self.group, async_op=True), source)
+            work = (host_shared.all_gather(self.shared, 2 * b, source) if self.shared is not None
+                    else comm.all_gather(bucket.params, source, self.group, async_op=True))
+            self._gathering[b] = (work, source)
 
     def _wait_gathers(self, buckets: tuple[int, ...]) -> None:
         for b in buckets:

@@ -15,6 +15,7 @@ from mshpc.errors import ConfigError
 from mshpc.optim.optimizer import param_groups
 from mshpc.parallel import comm
 from mshpc.parallel.buckets import BucketLayout, build_buckets
+from mshpc.parallel.host_shared import HostShared, map_buffers
 from mshpc.parallel.sharded_optim import build_shard_optimizer
 from mshpc.parallel.zero import DP_ONLY, GRAD_DTYPE, Bucket, ModelParallel, ShardPiece, ZeroEngine
 
@@ -46,16 +47,20 @@ def build_layouts(numels: list[int], tp_replicated: list[bool], tied: list[bool]
 
 def build_bucket_buffers(
     params: list[nn.Parameter], layouts: list[BucketLayout], rank: int, group: dist.ProcessGroup | None,
-    tp_replicated: list[bool], tied: list[bool],
+    tp_replicated: list[bool], tied: list[bool], shared: HostShared | None = None,
 ) -> list[Bucket]:
     """Move each parameter into its bucket's flat buffer (the parameter becomes a view), make
     every rank's parameters dp rank 0's, and cut this rank's fp32 master shard. Collective over
-    the dp group (a broadcast per bucket)."""
+    the dp group (a broadcast per bucket). With `shared`, bucket b's parameters and gradients are
+    its buffers 2b and 2b + 1 (shared_specs' order)."""
     buckets = []
-    for layout in layouts:
+    for b, layout in enumerate(layouts):
         p0 = params[layout.slots[0].index]
-        flat = torch.zeros(layout.numel, dtype=p0.dtype, device=p0.device)
-        grads = torch.zeros(layout.numel, dtype=GRAD_DTYPE, device=p0.device)
+        if shared is not None:
+            flat, grads = shared.local[2 * b], shared.local[2 * b + 1]  # zeroed when mapped
+        else:
+            flat = torch.zeros(layout.numel, dtype=p0.dtype, device=p0.device)
+            grads = torch.zeros(layout.numel, dtype=GRAD_DTYPE, device=p0.device)
         for slot in layout.slots:
             p = params[slot.index]
             flat[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
@@ -67,6 +72,20 @@ def build_bucket_buffers(
         first = layout.slots[0].index
         buckets.append(Bucket(layout, flat, grads, master, rank, tp_replicated[first], tied[first]))
     return buckets
+
+
+def map_shared_buckets(params: list[nn.Parameter], layouts: list[BucketLayout], parallel: ParallelConfig,
+                       group: dist.ProcessGroup | None) -> HostShared | None:
+    """The buckets' buffers in memory the dp group's ranks all map (host_shared.py), where that
+    helps and works: CPU parameters on gloo, more than one rank, all on this host. Collective
+    over the dp group."""
+    on_cpu = all(p.device.type == "cpu" for p in params)
+    if not (parallel.dp_shared_memory and on_cpu and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"):
+        return None
+    dtypes = [params[layout.slots[0].index].dtype for layout in layouts]
+    specs = [spec for layout, dtype in zip(layouts, dtypes, strict=True)
+             for spec in ((layout.numel, dtype), (layout.numel, GRAD_DTYPE))]
+    return map_buffers(specs, group)
 
 
 def build_grad_views(params: list[nn.Parameter], buckets: list[Bucket]) -> list[torch.Tensor]:
@@ -154,7 +173,8 @@ def build_zero_engine(
     replicated = [mp.tp_size > 1 and name in mp.replicated for name, _ in named]
     tied = [name in mp.tied for name, _ in named]
     layouts = build_layouts([p.numel() for p in params], replicated, tied, bucket_numel, dp)
-    buckets = build_bucket_buffers(params, layouts, rank, group, replicated, tied)
+    shared = map_shared_buckets(params, layouts, parallel, group)
+    buckets = build_bucket_buffers(params, layouts, rank, group, replicated, tied, shared)
     bucket_of = [0] * len(params)
     for b, layout in enumerate(layouts):
         for slot in layout.slots:
@@ -165,6 +185,6 @@ def build_zero_engine(
     tp_whole = frozenset(i for i, rep in enumerate(replicated) if rep)
     optimizer = build_shard_optimizer(groups, len(params), optim, group, mp.tp, tp_whole, fused)
     engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group,
-                        parallel.dp_overlap, mp)
+                        parallel.dp_overlap, mp, shared)
     _register_hooks(engine, hook_units)
     return engine

@@ -1,0 +1,165 @@
+"""ZeRO's bucket buffers in shared memory, for dp ranks on one host: the reduce-scatter and the
+all-gather read each peer's rows straight from its buffer instead of moving them over gloo.
+
+Why: gloo has one transport, TCP. Between CPU ranks of one host every byte of a bucket goes
+through loopback: the sender's write copies it into the kernel, the receiver's read copies it out,
+each on a core the ranks' compute needs, and the posting thread blocks on gloo's pair locks while
+the transfer runs. NCCL uses shared memory or NVLink between GPUs of a node, and DeepSpeed's CPU
+all-reduce shared memory; here a rank maps its peers' bucket buffers (one file per rank in
+/dev/shm, unlinked as soon as every rank has mapped it) and gloo carries only a one-byte "ready"
+per peer per collective, which orders the reads. Results are bitwise those of the point-to-point
+path in comm.py: the same sums in the same order.
+
+The reads happen in a collective's wait(), so a rank must not rewrite rows its peers may still be
+reading. The engine (zero.py) keeps that: a rank's gradient rows are rewritten only in the next
+step's backward, after its peers' all-gathers of this step, which they post after their last
+read; its parameter rows only at its next step, after the next step's reduce-scatter signals,
+which a rank posts only once all of this step's gathers are done.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mshpc.parallel import comm
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")  # a tmpfs on Linux; a rank that cannot create its file there falls back
+_ALIGN = 4096  # each buffer starts on a page of its own
+
+
+@dataclass(frozen=True)
+class HostShared:
+    """Buffers every member of `group` holds, each mapped by all of them: local[i] is this rank's
+    buffer i, remote[j][i] member j's (remote[me] is local)."""
+
+    group: dist.ProcessGroup | None
+    me: int  # this rank's index in the group
+    peers: tuple[tuple[int, int], ...]  # every other member: (index, global rank), in group order
+    remote: tuple[tuple[torch.Tensor, ...], ...]
+
+    @property
+    def local(self) -> tuple[torch.Tensor, ...]:
+        return self.remote[self.me]
+
+
+def map_buffers(specs: list[tuple[int, torch.dtype]], group: dist.ProcessGroup | None) -> HostShared | None:
+    """Collective over `group` (gloo): buffers of (numel, dtype) each, zeroed, in memory every
+    member maps; None when some member cannot create its file in SHM_DIR (no room, no tmpfs) or
+    cannot see the others' (ranks on other hosts): then the buckets stay in private memory."""
+    me, peers = comm.peers_of(group)
+    offsets, nbytes = _layout(specs)
+    token = comm.broadcast_json(secrets.token_hex(8), src=_global(group, 0), group=group)
+    paths = [SHM_DIR / f"mshpc-{token}-{j}" for j in range(len(peers) + 1)]
+    made = _create(paths[me], nbytes)
+    try:
+        maps = _map_all(paths, nbytes, made, group)
+    finally:
+        if made:
+            paths[me].unlink()  # every member has mapped it, or none will: nothing is left behind
+    comm.barrier(group)  # and when any member returns, no member's file is left
+    if maps is None:
+        return None
+    remote = tuple(tuple(_views(m, specs, offsets)) for m in maps)
+    return HostShared(group, me, tuple(peers), remote)
+
+
+def _map_all(paths: list[Path], nbytes: int, made: bool, group: dist.ProcessGroup | None) -> list[mmap.mmap] | None:
+    if not all(comm.all_gather_json(made, group)):
+        log.info("dp buckets in private memory: a rank could not create its file in %s", SHM_DIR)
+        return None
+    maps = [_map(path, nbytes) for path in paths]
+    if not all(comm.all_gather_json(all(m is not None for m in maps), group)):
+        log.info("dp buckets in private memory: the dp ranks do not share one host's %s", SHM_DIR)
+        return None
+    return [m for m in maps if m is not None]
+
+
+def reduce_scatter(shared: HostShared, index: int, output: torch.Tensor) -> comm.Pending:
+    """Async: `output` becomes the sum over members of chunk `me` of their buffer `index`
+    (comm.reduce_scatter's result, bitwise). `output` may be this rank's own chunk of it."""
+    size = len(shared.peers) + 1
+    rows = [buffer[index].view(size, -1)[shared.me] for buffer in shared.remote]
+    finish = functools.partial(_sum_in_rank_order, rows, output.view(-1), shared.me)
+    nbytes = shared.local[index].numel() * shared.local[index].element_size()
+    return comm.signal_peers(shared.group, "reduce_scatter", nbytes, shared.peers, finish)
+
+
+def all_gather(shared: HostShared, index: int, input: torch.Tensor) -> comm.Pending:
+    """Async: this rank's buffer `index` becomes every member's `input`, in rank order
+    (comm.all_gather's result): its own chunk now, the peers' once they have written theirs."""
+    size = len(shared.peers) + 1
+    mine = shared.local[index].view(size, -1)
+    if mine[shared.me].data_ptr() != input.data_ptr():
+        mine[shared.me].copy_(input.view(-1))
+    moves = [(shared.remote[j][index].view(size, -1)[j], mine[j]) for j, _ in shared.peers]
+    finish = functools.partial(_copy_all, moves)
+    nbytes = mine.numel() * mine.element_size()
+    return comm.signal_peers(shared.group, "all_gather", nbytes, shared.peers, finish)
+
+
+def _sum_in_rank_order(rows: list[torch.Tensor], out: torch.Tensor, me: int) -> None:
+    if len(rows) == 2:  # the point-to-point path's one add: own + received
+        torch.add(rows[me], rows[1 - me], out=out)
+    else:
+        torch.sum(torch.stack(rows), dim=0, out=out)
+
+
+def _copy_all(moves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for source, target in moves:
+        target.copy_(source)
+
+
+def _layout(specs: list[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for numel, dtype in specs:
+        offsets.append(end)
+        end += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+    return offsets, max(end, _ALIGN)
+
+
+def _create(path: Path, nbytes: int) -> bool:
+    """This rank's file, its pages reserved now: tmpfs hands out pages on first touch, and one it
+    has no room for then kills the process (SIGBUS) instead of failing here."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return True
+    except OSError:
+        path.unlink()
+        return False
+    finally:
+        os.close(fd)
+
+
+def _map(path: Path, nbytes: int) -> mmap.mmap | None:
+    try:
+        fd = os.open(path, os.O_RDWR)  # no O_CREAT: a file this host does not have is not made
+    except OSError:
+        return None
+    try:
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if os.fstat(fd).st_size >= nbytes else None
+    finally:
+        os.close(fd)  # the mapping stays
+
+
+def _views(mapped: mmap.mmap, specs: list[tuple[int, torch.dtype]], offsets: list[int]) -> list[torch.Tensor]:
+    whole = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mapping alive
+    return [whole[o:o + n * dtype.itemsize].view(dtype) for (n, dtype), o in zip(specs, offsets, strict=True)]
+
+
+def _global(group: dist.ProcessGroup | None, index: int) -> int:
+    return dist.get_global_rank(group, index) if group is not None else index
