@@ -10,8 +10,9 @@ point-to-point sends 68 ms); and the same two collectives on buckets in shared m
 2 ranks on loopback, `--total-mb` of fp32 gradients in `--bucket-mb` buckets, every bucket's
 collective issued async and then waited, as the engines do. Six contenders take turns within
 each round: all_reduce (DDP's), comm.reduce_scatter, comm.all_gather, the all-to-all
-all-gather, and host_shared's reduce-scatter and all-gather. Per contender: median wall ms and median CPU ms of rank 0's process (all threads:
-gloo's work runs on its own), one JSON line each, then the two ratios.
+all-gather, and host_shared's reduce-scatter and all-gather. Per contender: median wall ms and
+median CPU ms of rank 0's process (all threads: gloo's work runs on its own), one JSON line
+each, then the three ratios.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gloo_collectives.py [--total-mb 64] [--bucket-mb 1]
         [--rounds 6]

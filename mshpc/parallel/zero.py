@@ -8,7 +8,8 @@ gradients are complete, while backward goes on with earlier layers. Each rank th
 steps only its shard (fp32 masters and optimizer state: ~1/dp of the memory), and all-gathers
 the updated shards bucket by bucket; the next forward of a module waits only for its own
 bucket (a forward pre-hook). With overlap off the same engine communicates after backward and
-gathers before returning from step().
+gathers before returning from step(). On CPU ranks of one host the buckets live in shared
+memory and the collectives read the peers' rows in place (host_shared.py).
 
 Under tensor parallelism each tp rank runs its own engine over its dp group. Parameters every tp
 rank holds whole (the norms) get only a partial gradient under sequence parallelism, from the
