@@ -151,7 +151,9 @@ def _map(path: Path, nbytes: int) -> mmap.mmap | None:
     except OSError:
         return None
     try:
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if os.fstat(fd).st_size >= nbytes else None
+        if os.fstat(fd).st_size < nbytes:
+            return None
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)  # the mapping stays
 

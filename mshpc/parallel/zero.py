@@ -286,9 +286,9 @@ class ZeroEngine:
             bucket = self.buckets[self._next_reduce]
             if not force and self._ready[self._next_reduce] < len(bucket.layout.slots):
                 return
-            if self._next_reduce == 0:
-                # the step's first signal to the peers: with shared buckets, every read of their
-                # rows for the last step's gathers must be done before it (host_shared.py)
+            if self._next_reduce == 0 and self.shared is not None:
+                # the step's first signal to the peers: every read of their rows for the last
+                # step's gathers must be done before it (host_shared.py)
                 self.wait_params()
             self._zero_unused(bucket)
             self._reducing.append(self._reduce_scatter(self._next_reduce))

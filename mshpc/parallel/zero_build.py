@@ -52,7 +52,7 @@ def build_bucket_buffers(
     """Move each parameter into its bucket's flat buffer (the parameter becomes a view), make
     every rank's parameters dp rank 0's, and cut this rank's fp32 master shard. Collective over
     the dp group (a broadcast per bucket). With `shared`, bucket b's parameters and gradients are
-    its buffers 2b and 2b + 1 (shared_specs' order)."""
+    its buffers 2b and 2b + 1 (map_shared_buckets' order)."""
     buckets = []
     for b, layout in enumerate(layouts):
         p0 = params[layout.slots[0].index]
