@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compile_vs_ddp import build_steps  # a sibling benchmark: Python puts benchmarks/ first on the path
 
-from compile_vs_ddp import build_steps, free_port  # noqa: E402
-from two_ranks import REPO, WORKER_TIMEOUT_S  # noqa: E402
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, WORKER_TIMEOUT_S
 
 CONTENDERS = ("mshpc_compiled", "ddp_compiled_plain")
 WARM_UP_STEPS = 3  # the first compiles; the next settle the allocator
@@ -71,7 +69,7 @@ def profile_steps(step, finish, steps: int, top: int) -> dict:
                                 for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}}
 
 
-def worker(rank: int, port: int, args: argparse.Namespace) -> None:
+def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
     import torch
     import torch.distributed as dist
 
@@ -86,24 +84,25 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
         for _ in range(WARM_UP_STEPS):
             step()
             finish()
+    lines = []
     for name, (step, finish) in steps.items():  # both ranks profile the same contender at once
         result = profile_steps(step, finish, args.steps, args.top)
-        if rank == 0:
-            print(json.dumps({"bench": "compile_ops", "contender": name, "shape": args.shape,
-                              "micro_batch_per_rank": args.micro_batch, "steps": args.steps, **result}), flush=True)
+        lines.append({"bench": "compile_ops", "contender": name, "shape": args.shape,
+                      "micro_batch_per_rank": args.micro_batch, "steps": args.steps, **result})
+    if rank == 0:
+        out.put(json.dumps(lines))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="tiny")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=6, help="profiled steps per contender")
     parser.add_argument("--top", type=int, default=25, help="operators listed by name, heaviest first")
     args = parser.parse_args()
-    mp.spawn(worker, args=(free_port(), args), nprocs=2)
+    for line in harness.run_local_ranks(worker, 2, (args,)):
+        harness.emit(line)
 
 
 if __name__ == "__main__":

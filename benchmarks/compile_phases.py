@@ -14,16 +14,12 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from compile_vs_ddp import free_port  # noqa: E402
-from two_ranks import REPO, WORKER_TIMEOUT_S  # noqa: E402
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, WORKER_TIMEOUT_S
 
 Phases = tuple[Callable[[], object], Callable[[object], None], Callable[[], None], Callable[[], None]]
 
@@ -80,7 +76,7 @@ def timed_step(phases: Phases) -> dict[str, float]:
     return out
 
 
-def worker(rank: int, port: int, args: argparse.Namespace) -> None:
+def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
     import torch
     import torch.distributed as dist
 
@@ -100,23 +96,24 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
             if i >= 2:
                 samples[name].append(sample)
     if rank == 0:
+        lines = []
         for name, rows in samples.items():
             med = {k: round(statistics.median(r[k] for r in rows), 4) for k in rows[0]}
-            print(json.dumps({"bench": "compile_phases", "contender": name, "shape": args.shape,
-                              "micro_batch_per_rank": args.micro_batch, "unit": "s", **med}), flush=True)
+            lines.append({"bench": "compile_phases", "contender": name, "shape": args.shape,
+                          "micro_batch_per_rank": args.micro_batch, "unit": "s", **med})
+        out.put(json.dumps(lines))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per contender")
     parser.add_argument("--seq-len", type=int, default=0, help="window length (0: the shape's own)")
     args = parser.parse_args()
-    mp.spawn(worker, args=(free_port(), args), nprocs=2)
+    for line in harness.run_local_ranks(worker, 2, (args,)):
+        harness.emit(line)
 
 
 if __name__ == "__main__":

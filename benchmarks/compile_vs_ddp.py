@@ -3,7 +3,7 @@ fused kernels, each block compiled) trains at >= 1.1x the tokens/s of a plain to
 the same model compiled the same way, on 2 CPU ranks, at the tiny and gpt-125m shapes.
 
 Five contenders on identical weights and batches, in one run, taking turns within each round
-(two_ranks.time_rounds) so that a noisy neighbour slows all alike: mshpc eager and compiled
+(mshpc.bench.harness.time_rounds) so that a noisy neighbour slows all alike: mshpc eager and compiled
 (parallel/apply.py: blocks compiled after tp and before ZeRO), plain DDP (torch's
 DistributedDataParallel, torch's foreach AdamW, clip_grad_norm_) eager and compiled (the same
 per-block torch.compile, applied before DDP wraps the model) on mshpc's model with its fused
@@ -45,21 +45,14 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
-import os
-import queue
 import resource
-import socket
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from intervals import paired_round_interval  # noqa: E402
-from two_ranks import REPO, WORKER_TIMEOUT_S, time_rounds  # noqa: E402
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, WORKER_TIMEOUT_S, paired_round_interval, time_rounds
 
 CONTENDERS = ("mshpc_eager", "mshpc_compiled", "ddp_eager", "ddp_compiled", "ddp_compiled_plain")
 
@@ -164,32 +157,11 @@ def steps_params(cfg):
     return GPT(cfg.model).parameters()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pair(shape: str, names: tuple[str, ...], args: argparse.Namespace) -> dict:
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, shape, names, args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    while True:  # a rank killed (out of memory, say) must end the benchmark, not hang it
-        try:
-            result = json.loads(out.get(timeout=5))
-            break
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                for p in procs:
-                    p.kill()
-                raise SystemExit(f"compile_vs_ddp: a rank ended with exit code {dead[0]} at {shape}") from None
-    for p in procs:
-        p.join()
-    return result
+    try:
+        return harness.run_local_ranks(worker, 2, (shape, names, args))
+    except SystemExit as exc:  # a rank killed (out of memory, say)
+        raise SystemExit(f"compile_vs_ddp: {exc} at {shape}") from None
 
 
 def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
@@ -205,9 +177,9 @@ def run_shape(shape: str, args: argparse.Namespace) -> list[dict]:
                   ("mshpc_eager", "ddp_eager")]
     results = []
     for names in groups:
-        load_start = os.getloadavg()[0]
+        load_start = harness.load_average()
         result = run_pair(shape, names, args)
-        result["load_avg"] = [round(load_start, 1), round(os.getloadavg()[0], 1)]
+        result["load_avg"] = [load_start, harness.load_average()]
         results.append(result)
     return results
 
@@ -242,7 +214,7 @@ def lines(shape: str, r: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="tiny,gpt-125m")
-    parser.add_argument("--rounds", type=int, default=3)
+    harness.add_rounds(parser, 3)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step (tiny.yaml's)")
     parser.add_argument("--micro-batch-125m", type=int, default=1, help="sequences per rank per step at gpt-125m")
@@ -252,7 +224,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for group in run_shape(shape, args):
             for line in lines(shape, group):
-                print(json.dumps(line), flush=True)
+                harness.emit(line)
 
 
 if __name__ == "__main__":

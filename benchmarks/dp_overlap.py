@@ -3,7 +3,7 @@ link its step with overlap takes <= 0.8x its step without, and <= 1.0x torch DDP
 model and batch, while each rank holds ~1/dp of DDP's optimizer memory.
 
 The two ranks run on a rate-limited veth link between network namespaces, then unlimited
-(two_ranks.py); without root or iproute2, on loopback.
+(mshpc.bench.links); without root or iproute2, on loopback.
 
     .venv/bin/python benchmarks/dp_overlap.py [--rate-mbit 1000] [--micro-batch 4]
         [--bucket-mb 1] [--rounds 6] [--steps 3]
@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from two_ranks import REPO, WORKER_TIMEOUT_S, add_link_options, main_on_links, time_steps
-
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, WORKER_TIMEOUT_S
+from mshpc.bench.links import add_link_options, main_on_links, time_steps
 
 # ---------------------------------------------------------------- one rank
 
@@ -34,17 +35,17 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.worker,
                             world_size=2, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
     cfg = load_config(REPO / "configs/tiny.yaml")
-    steps = build_steps(cfg.model, cfg.optim, args.bucket_mb, args.micro_batch, args.worker)
+    steps, facts = build_steps(cfg.model, cfg.optim, args.bucket_mb, args.micro_batch, args.worker)
     times = time_steps(steps, args.rounds, args.steps)
-    out = {"step_s": times, "reduce_scatter_s": time_reduce_scatter(args.bucket_mb), **steps["facts"]()}
+    out = {"step_s": times, "reduce_scatter_s": time_reduce_scatter(args.bucket_mb), **facts()}
     if args.worker == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
 
-def build_steps(model_cfg, optim_cfg, bucket_mb: float, micro_batch: int, rank: int) -> dict:
+def build_steps(model_cfg, optim_cfg, bucket_mb: float, micro_batch: int, rank: int) -> tuple[dict, Callable[[], dict]]:
     """A train step for each contender on identical models: (step, finish) pairs, where finish
-    lands whatever communication the last step left in flight."""
+    lands whatever communication the last step left in flight; and the facts of the run."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
@@ -98,8 +99,7 @@ def build_steps(model_cfg, optim_cfg, bucket_mb: float, micro_batch: int, rank: 
         "no_overlap": (engine_step(False), engines[False].wait_params),
         "ddp": (replicated_step(ddp, ddp_opt, ddp.module), lambda: None),
         "compute_only": (replicated_step(plain, plain_opt, plain), lambda: None),  # no communication
-        "facts": facts,
-    }
+    }, facts
 
 
 def time_reduce_scatter(bucket_mb: float, mib: int = 16, repeats: int = 5) -> dict[str, float]:
@@ -140,8 +140,7 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
                "buckets": r["buckets"], "compute_only_s": round(t["compute_only"], 4)}
 
     def line(metric: str, value: float, baseline: float, unit: str = "s") -> dict:
-        return {"bench": "dp_overlap", "metric": f"{metric}_{label}", "value": round(value, 4), "unit": unit,
-                "baseline": round(baseline, 4), "ratio": round(value / baseline, 3), **context}
+        return harness.record("dp_overlap", f"{metric}_{label}", value, unit, baseline, **context)
 
     return [line("step_time_overlap_vs_no_overlap", t["overlap"], t["no_overlap"]),
             line("step_time_overlap_vs_torch_ddp", t["overlap"], t["ddp"]),
@@ -153,7 +152,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     # 1 MiB: 12 buckets for this model, and at dp=2 each all-gather is one gloo message (no staging)
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="for the engine and for DDP")
-    parser.add_argument("--rounds", type=int, default=6)
+    harness.add_rounds(parser, 6)
     parser.add_argument("--steps", type=int, default=3, help="steps per contender per round")
     add_link_options(parser)
     args = parser.parse_args()
@@ -161,9 +160,8 @@ def main() -> None:
     if results is None:
         return  # a worker
     r = next(iter(results.values()))
-    print(json.dumps({"bench": "dp_overlap", "metric": "optimizer_bytes_per_rank_vs_torch_ddp",
-                      "value": r["engine_optimizer_bytes"], "unit": "bytes", "baseline": r["ddp_optimizer_bytes"],
-                      "ratio": round(r["engine_optimizer_bytes"] / r["ddp_optimizer_bytes"], 3), "dp": 2}), flush=True)
+    harness.emit(harness.record("dp_overlap", "optimizer_bytes_per_rank_vs_torch_ddp", r["engine_optimizer_bytes"],
+                                "bytes", r["ddp_optimizer_bytes"], dp=2))
 
 
 if __name__ == "__main__":

@@ -24,16 +24,12 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from compile_vs_ddp import free_port  # noqa: E402
-from two_ranks import WORKER_TIMEOUT_S  # noqa: E402
+from mshpc.bench import harness
+from mshpc.bench.harness import WORKER_TIMEOUT_S
 
 REPEATS = 3  # calls of a contender per round
 
@@ -107,35 +103,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--total-mb", type=float, default=64.0, help="MiB of fp32 gradients")
     parser.add_argument("--bucket-mb", type=float, default=1.0)
-    parser.add_argument("--rounds", type=int, default=6)
+    harness.add_rounds(parser, 6)
     parser.add_argument("--message-mb", type=float, default=0.0,
                         help="comm.GLOO_MESSAGE_BYTES in MiB, the pieces comm cuts gloo ops into (0: comm's own)")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    result = json.loads(out.get(timeout=WORKER_TIMEOUT_S))
-    for p in procs:
-        p.join()
+    result = harness.run_local_ranks(worker, 2, (args,))
     wall = {name: statistics.median(v) * 1e3 for name, v in result["wall"].items()}
     cpu = {name: statistics.median(v) * 1e3 for name, v in result["cpu"].items()}
     context = {"total_mb": args.total_mb, "bucket_mb": args.bucket_mb, "ranks": 2, "backend": "gloo",
                "rounds": args.rounds, "message_mb": args.message_mb or None}
     for name in wall:
-        print(json.dumps({"bench": "gloo_collectives", "metric": f"{name}_ms", "value": round(wall[name], 2),
-                          "unit": "ms", "cpu_ms": round(cpu[name], 2), **context}))
+        harness.emit(harness.record("gloo_collectives", f"{name}_ms", wall[name], "ms", digits=2,
+                                    cpu_ms=round(cpu[name], 2), **context))
     pairs = [("all_gather_by_all_to_all", "all_gather"), ("reduce_scatter+all_gather", "all_reduce"),
              ("shared_reduce_scatter+shared_all_gather", "all_reduce")]
     for ours, baseline in pairs:
         mine = sum(cpu[n] for n in ours.split("+"))
         theirs = cpu[baseline]
         mine_wall = sum(wall[n] for n in ours.split("+"))
-        print(json.dumps({"bench": "gloo_collectives", "metric": f"cpu_{ours}_vs_{baseline}", "value": round(mine, 2),
-                          "unit": "ms", "baseline": round(theirs, 2), "ratio": round(mine / theirs, 3),
-                          "wall_ratio": round(mine_wall / wall[baseline], 3), **context}))
+        harness.emit(harness.record("gloo_collectives", f"cpu_{ours}_vs_{baseline}", mine, "ms", theirs, digits=2,
+                                    wall_ratio=round(mine_wall / wall[baseline], 3), **context))
 
 
 if __name__ == "__main__":

@@ -16,16 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import types
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from compile_vs_ddp import free_port  # noqa: E402
-from two_ranks import REPO, WORKER_TIMEOUT_S  # noqa: E402
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, WORKER_TIMEOUT_S
 
 
 def zeroed_on_grad(self, index: int) -> None:
@@ -48,7 +44,7 @@ def zeroed_next_step(self) -> None:
     self._reducing = []
 
 
-def worker(rank: int, port: int, args: argparse.Namespace) -> None:
+def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
     import torch
     import torch.distributed as dist
 
@@ -92,25 +88,22 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
     if rank == 0:
         c = {name: statistics.median(v) for name, v in cpu.items()}
         w = {name: statistics.median(v) for name, v in wall.items()}
-        print(json.dumps({"bench": "grad_buckets", "metric": "cpu_s_per_step_first_copy_vs_zeroed_buckets",
-                          "value": round(c["first_copy"], 4), "unit": "s", "baseline": round(c["zeroed"], 4),
-                          "ratio": round(c["first_copy"] / c["zeroed"], 3),
-                          "wall_ratio": round(w["first_copy"] / w["zeroed"], 3), "shape": args.shape,
-                          "micro_batch_per_rank": args.micro_batch, "seq_len": cfg.model.seq_len, "dp": 2,
-                          "steps": args.steps}), flush=True)
+        out.put(json.dumps([harness.record(
+            "grad_buckets", "cpu_s_per_step_first_copy_vs_zeroed_buckets", c["first_copy"], "s", c["zeroed"],
+            wall_ratio=round(w["first_copy"] / w["zeroed"], 3), shape=args.shape,
+            micro_batch_per_rank=args.micro_batch, seq_len=cfg.model.seq_len, dp=2, steps=args.steps)]))
     dist.destroy_process_group()
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="tiny")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per engine")
     parser.add_argument("--seq-len", type=int, default=0, help="window length (0: the shape's own)")
     args = parser.parse_args()
-    mp.spawn(worker, args=(free_port(), args), nprocs=2)
+    for line in harness.run_local_ranks(worker, 2, (args,)):
+        harness.emit(line)
 
 
 if __name__ == "__main__":

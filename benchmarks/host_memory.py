@@ -10,7 +10,7 @@ warms up, then times its steps. Prints one JSON line: median seconds per step an
 faults per step of each, and the ratio with a 90% interval from resampling the rounds. About
 3 minutes:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/host_memory.py [--rounds 4] [--steps 20]
+    .venv/bin/python benchmarks/host_memory.py [--rounds 4] [--steps 20]
 """
 
 from __future__ import annotations
@@ -21,16 +21,13 @@ import multiprocessing as mp
 import os
 import resource
 import statistics
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compile_vs_ddp import build_steps  # a sibling benchmark: Python puts benchmarks/ first on the path
 
-from compile_vs_ddp import build_steps, free_port  # noqa: E402
-from intervals import paired_round_interval  # noqa: E402
-from two_ranks import REPO, WORKER_TIMEOUT_S  # noqa: E402
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, WORKER_TIMEOUT_S, paired_round_interval
 
 WARM_UP_STEPS = 10  # compiles, then lets the heap reach its steady size
 
@@ -66,15 +63,7 @@ def run_pair(keep: bool, args: argparse.Namespace) -> dict:
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # spawned children inherit it
     try:
-        ctx = mp.get_context("spawn")
-        out: mp.Queue = ctx.Queue()
-        port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, port, args, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        result = json.loads(out.get(timeout=WORKER_TIMEOUT_S))
-        for p in procs:
-            p.join()
+        result = harness.run_local_ranks(worker, 2, (args,))
     finally:
         for name, value in saved.items():
             if value is None:
@@ -87,27 +76,27 @@ def run_pair(keep: bool, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=4)
+    harness.add_rounds(parser, 4, "pairs of runs, with and without the setting, in alternating order")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per pair, after the warm-up")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step (tiny.yaml's)")
     args = parser.parse_args()
-    load_start = os.getloadavg()[0]
+    load_start = harness.load_average()
     runs: dict[bool, list[dict]] = {True: [], False: []}
-    for r in range(args.rounds):
-        for keep in (True, False) if r % 2 == 0 else (False, True):
+    for order in harness.turns((True, False), args.rounds):
+        for keep in order:
             runs[keep].append(run_pair(keep, args))
     step_s = {keep: statistics.median(s for run in rs for s in run["seconds"]) for keep, rs in runs.items()}
     faults = {keep: statistics.mean(f for run in rs for f in run["faults"]) for keep, rs in runs.items()}
     # ratio of step times, glibc's own / kept: above 1 means the setting made the step faster
     interval = paired_round_interval([run["seconds"] for run in runs[False]], [run["seconds"] for run in runs[True]])
-    print(json.dumps({
+    harness.emit({
         "bench": "host_memory", "metric": "step_s_glibc_default_vs_kept", "shape": "tiny", "dp": 2,
         "micro_batch_per_rank": args.micro_batch, "contender": "mshpc_compiled", "device": "cpu",
         "value": round(step_s[True], 4), "unit": "s/step", "baseline": round(step_s[False], 4),
         "ratio": round(step_s[False] / step_s[True], 3), "ratio_90pct": [round(v, 3) for v in interval],
         "minor_faults_per_step": round(faults[True], 1), "baseline_minor_faults_per_step": round(faults[False], 1),
         "rounds": args.rounds, "steps_per_round": args.steps,
-        "load_avg": [round(load_start, 1), round(os.getloadavg()[0], 1)]}), flush=True)
+        "load_avg": [load_start, harness.load_average()]})
 
 
 if __name__ == "__main__":

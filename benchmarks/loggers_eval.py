@@ -55,9 +55,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from intervals import paired_round_interval
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, paired_round_interval
 
-REPO = Path(__file__).resolve().parents[1]
 WARMUP = 5  # steps whose time is start-up, not steady state
 BASE = ["run.progress=none", "checkpoint.interval_steps=0", "train.cpu_threads=1"]
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
@@ -254,7 +254,7 @@ def row_cpu_s(tmp: Path, loggers_set: str, rows: int = 300, idle_s: float = 10.0
 
 
 def emit(**fields: object) -> None:
-    print(json.dumps({"bench": "loggers_eval", **fields}), flush=True)
+    harness.emit({"bench": "loggers_eval", **fields})
 
 
 Measured = tuple[dict[str, list[list[float]]], dict[str, list[dict[str, float]]], dict[str, dict[int, list[float]]]]
@@ -282,7 +282,7 @@ def measure(tmp: Path, args: argparse.Namespace) -> Measured:
             # each run as it ends: a run cut short still leaves its rounds, and the load they saw
             emit(metric="run_median_step_s", variant=name, round=r, value=round(statistics.median(gaps[name][-1]), 4),
                  unit="s", cpu_s_per_step={k: round(v, 5) for k, v in cpu[name][-1].items()}, run_usage=usage,
-                 load_avg_1m=round(os.getloadavg()[0], 1))
+                 load_avg_1m=harness.load_average())
     return gaps, cpu, places
 
 
@@ -302,7 +302,7 @@ def emit_rows(tmp: Path, step_s: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    harness.add_rounds(parser, 3, "rounds; every variant trains once in each, the order rotated")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--interval", type=int, default=10)
     parser.add_argument("--variants", type=lambda v: v.split(","), default=list(VARIANTS),

@@ -3,7 +3,7 @@ papers compute, (p - 1) / (m + p - 1) and (p - 1) / (v m + p - 1), so interleavi
 bubble and the step time against 1F1B, which matches GPipe's bubble with less activation memory.
 
 pp=2 ranks in two network namespaces joined by a rate-limited veth pair, then once more
-unlimited (two_ranks.py); loopback without root. The three
+unlimited (mshpc.bench.links); loopback without root. The three
 schedules train the same model on the same batches, taking turns in every round. Measured
 bubble: the time a stage idles in the forward-backward part of the step (blocked in receives
 and send-waits, then waiting for the slowest stage to finish) over that part's time, averaged
@@ -21,7 +21,9 @@ import statistics
 import time
 from datetime import timedelta
 
-from two_ranks import REPO, WORKER_TIMEOUT_S, add_link_options, main_on_links
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, WORKER_TIMEOUT_S
+from mshpc.bench.links import add_link_options, main_on_links
 
 SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("1f1b", 2)}  # name: (schedule, v)
 
@@ -116,15 +118,14 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
         span = max(s["run_s"] for s in per_stage)
         idle = [s["wait_s"] + span - s["run_s"] for s in per_stage]
         theory = bubble_fraction(PipeShape(2, v, args.micro_batches))
-        out.append({"bench": "pipeline", "metric": f"step_time_{name}_vs_gpipe_{label}", "value": round(step_s, 4),
-                    "unit": "s", "baseline": round(base, 4), "ratio": round(step_s / base, 3),
-                    "bubble_measured": round(statistics.mean(idle) / span, 3), "bubble_theory": round(theory, 3),
-                    "wait_of_step": round(statistics.mean(s["wait_s"] for s in per_stage) / step_s, 3),
-                    "forward_backward_s": round(span, 4), "idle_s_per_stage": [round(i, 4) for i in idle],
-                    "peak_live_per_stage": [s["peak_live"] for s in per_stage],
-                    "pp": 2, "virtual_stages": v, "micro_batches": args.micro_batches,
-                    "micro_batch": args.micro_batch, "act_bytes": r["act_bytes"], "link": label,
-                    "model": "configs/tiny.yaml"})
+        out.append(harness.record(
+            "pipeline", f"step_time_{name}_vs_gpipe_{label}", step_s, "s", base,
+            bubble_measured=round(statistics.mean(idle) / span, 3), bubble_theory=round(theory, 3),
+            wait_of_step=round(statistics.mean(s["wait_s"] for s in per_stage) / step_s, 3),
+            forward_backward_s=round(span, 4), idle_s_per_stage=[round(i, 4) for i in idle],
+            peak_live_per_stage=[s["peak_live"] for s in per_stage], pp=2, virtual_stages=v,
+            micro_batches=args.micro_batches, micro_batch=args.micro_batch, act_bytes=r["act_bytes"],
+            link=label, model="configs/tiny.yaml"))
     return out
 
 
@@ -132,7 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (m)")
-    parser.add_argument("--rounds", type=int, default=5)
+    harness.add_rounds(parser, 5)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     add_link_options(parser)
     args = parser.parse_args()

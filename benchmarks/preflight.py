@@ -17,16 +17,13 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
+from mshpc.bench.netns import run_ranks
 from mshpc.launch.ports import free_port
 from mshpc.preflight.tiers import TIERS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the namespace fabric is test harness
-
-from support.netns import run_ranks  # noqa: E402  (found through the path above)
-
-REPO = Path(__file__).resolve().parents[1]
 SIZES = tuple(64 * 1024 << (2 * i) for i in range(5))  # 64 KiB .. 16 MiB, x4
 WORKER_TIMEOUT_S = 900
 
@@ -40,9 +37,8 @@ def tier_wall_time(level: str, ranks: int) -> dict:
     if out.returncode not in (0, 3):
         raise SystemExit(f"preflight --level {level} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     budget = TIERS[level].budget_s
-    return {"bench": "preflight", "metric": f"wall_time_{level}_vs_budget", "value": round(wall_s, 2), "unit": "s",
-            "baseline": budget, "ratio": round(wall_s / budget, 3), "ranks": ranks,
-            "verdict": "fail" if out.returncode else "pass"}
+    return harness.record("preflight", f"wall_time_{level}_vs_budget", wall_s, "s", budget, digits=2, ranks=ranks,
+                          verdict="fail" if out.returncode else "pass")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -93,10 +89,9 @@ def busbw_lines(args: argparse.Namespace) -> list[dict]:
            "--iters", str(args.iters), "--rounds", str(args.rounds)]
     done = run_ranks([([*cmd, "--worker", str(r)], {"GLOO_SOCKET_IFNAME": "lo"}) for r in range(args.ranks)],
                      WORKER_TIMEOUT_S)
-    return [{"bench": "preflight", "metric": "all_reduce_busbw_vs_torch_all_reduce_loop", "value": round(r["ours"], 4),
-             "unit": "GB/s", "baseline": round(r["torch"], 4), "ratio": round(r["ours"] / r["torch"], 3),
-             "size_bytes": r["size_bytes"], "ranks": args.ranks, "warmup": args.warmup, "iters": args.iters,
-             "backend": "gloo"} for r in json.loads(done[0].stdout.strip().splitlines()[-1])]
+    return [harness.record("preflight", "all_reduce_busbw_vs_torch_all_reduce_loop", r["ours"], "GB/s", r["torch"],
+                           size_bytes=r["size_bytes"], ranks=args.ranks, warmup=args.warmup, iters=args.iters,
+                           backend="gloo") for r in json.loads(done[0].stdout.strip().splitlines()[-1])]
 
 
 def main() -> None:
@@ -105,16 +100,16 @@ def main() -> None:
     parser.add_argument("--levels", default="quick,standard,extended", help="levels to time, comma-separated")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs per size (nccl-tests -w)")
     parser.add_argument("--iters", type=int, default=20, help="timed runs per size (nccl-tests -n)")
-    parser.add_argument("--rounds", type=int, default=3, help="turns of the two contenders; the median counts")
+    harness.add_rounds(parser, 3, "turns of the two contenders; the median counts")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         return worker(args)
     for line in busbw_lines(args):
-        print(json.dumps(line), flush=True)
+        harness.emit(line)
     for level in filter(None, args.levels.split(",")):
-        print(json.dumps(tier_wall_time(level, args.ranks)), flush=True)
+        harness.emit(tier_wall_time(level, args.ranks))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ recorder, as what this rank sends ((tp-1)/tp of an all-gather's output or a redu
 input, 2(tp-1)/tp of an all-reduce's buffer, an uneven all-to-all's own count).
 
 Two tp ranks on a rate-limited veth link between network namespaces, then unlimited
-(two_ranks.py); without root or iproute2, on loopback. Before the ranks start, a raw TCP send
+(mshpc.bench.links); without root or iproute2, on loopback. Before the ranks start, a raw TCP send
 of 32 MiB measures what each link carries (the `tc` limit must show). Each step is forward,
 backward and the ZeRO optimizer step of configs/tiny.yaml's model split over tp=2 (dp=1); the
 contenders take turns within each round (reversed every other round); each prints its median,
@@ -29,11 +29,12 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 from collections.abc import Callable
 from datetime import timedelta
 
-from two_ranks import REPO, WORKER_TIMEOUT_S, add_link_options, main_on_links, measure_link_mbit, time_rounds
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO, WORKER_TIMEOUT_S, time_rounds
+from mshpc.bench.links import add_link_options, main_on_links, measure_link_mbit
 
 FUSED, UNFUSED = "overlap_2_chunks", "unfused_block_overlap_2_chunks"
 
@@ -51,18 +52,18 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.worker,
                             world_size=2, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
     mesh = build_mesh(MeshShape(pp=1, dp=1, tp=2))
-    steps = build_steps(args, mesh)
-    wire = {name: tp_wire_bytes(steps[name][0]) for name in steps if name != "facts"}
+    steps, facts = build_steps(args, mesh)
+    wire = {name: tp_wire_bytes(steps[name][0]) for name in steps}
     out = {"step_s": time_rounds(steps, args.rounds, args.steps), "tp_wire": wire, "link_mbit": link_mbit,
-           "load_avg_1min": [load_before, os.getloadavg()[0]], **steps["facts"]()}
+           "load_avg_1min": [load_before, os.getloadavg()[0]], **facts}
     if args.worker == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
 
 
-def build_steps(args: argparse.Namespace, mesh) -> dict:
+def build_steps(args: argparse.Namespace, mesh) -> tuple[dict, dict]:
     """A train step per contender: whole collectives, chunked ones for each --chunks, and the
-    unfused block chunked in 2."""
+    unfused block chunked in 2; and the facts of the run."""
     import torch
 
     from mshpc.config import load_config
@@ -82,9 +83,9 @@ def build_steps(args: argparse.Namespace, mesh) -> dict:
         split = parallelize(GPT(base.model), mesh, dataclasses.replace(base, parallel=parallel))
         steps[name] = (train_step(split, batch, base.optim.grad_clip), split.engine.wait_params)
     params = sum(p.numel() for p in GPT(base.model).parameters())
-    steps["facts"] = lambda: {"params": params, "tokens_per_step": args.micro_batch * args.seq_len,
-                              "seq_len": args.seq_len, "d_model": base.model.d_model, "n_layer": base.model.n_layer}
-    return steps
+    facts = {"params": params, "tokens_per_step": args.micro_batch * args.seq_len,
+             "seq_len": args.seq_len, "d_model": base.model.d_model, "n_layer": base.model.n_layer}
+    return steps, facts
 
 
 # What one rank sends for a collective of `nbytes` (its record's size) over tp ranks: a ring's
@@ -123,14 +124,9 @@ def train_step(split, batch, grad_clip: float) -> Callable[[], None]:
 
 
 def compare(ours: list[float], base: list[float]) -> dict:
-    """Medians, ranges and the per-round (paired) ratio of two contenders' samples."""
-    paired = [a / b for a, b in zip(ours, base, strict=True)]
-    return {"value": round(statistics.median(ours), 4), "baseline": round(statistics.median(base), 4),
-            "ratio": round(statistics.median(ours) / statistics.median(base), 3),
-            "range_s": [round(min(ours), 4), round(max(ours), 4)],
-            "baseline_range_s": [round(min(base), 4), round(max(base), 4)],
-            "ratio_per_round": {"median": round(statistics.median(paired), 3), "min": round(min(paired), 3),
-                                "max": round(max(paired), 3)}, "rounds": len(ours)}
+    """Medians, ranges, the per-round (paired) ratio and its interval of two contenders' samples."""
+    return {**harness.paired(ours, base), "range_s": [round(min(ours), 4), round(max(ours), 4)],
+            "baseline_range_s": [round(min(base), 4), round(max(base), 4)]}
 
 
 def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
@@ -164,7 +160,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--chunks", type=int, nargs="+", default=[2],
                         help="chunk counts to time against no overlap (2 is always built: the fused block's)")
-    parser.add_argument("--rounds", type=int, default=9)
+    harness.add_rounds(parser, 9)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     add_link_options(parser)
     args = parser.parse_args()

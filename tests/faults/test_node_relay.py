@@ -10,8 +10,9 @@ import sys
 import time
 
 import pytest
-from support.waiting import children, wait_until
+from support.waiting import wait_until
 
+from mshpc.bench.processes import children
 from mshpc.launch.monitor import Monitor
 
 INTERVAL_S = 0.1

@@ -1,1 +1,1 @@
-"""The test harness: helpers shared by the test tiers (and, for netns, the benchmarks)."""
+"""The test harness: helpers shared by the test tiers (what benchmarks share with them is mshpc.bench)."""

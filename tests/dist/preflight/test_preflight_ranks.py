@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from support.cli_runner import REPO, mshpc
-from support.netns import Fabric, run_ranks, why_unavailable
+from mshpc.bench.netns import Fabric, run_ranks, why_unavailable
 from mshpc.launch.ports import free_port
 
 THRESHOLDS = REPO / "tests/support/preflight_thresholds.yaml"

@@ -1,11 +1,7 @@
-"""Two ranks of a benchmark on a rate-limited link, and side-by-side step timing (shared by
-dp_overlap.py and tp_overlap.py).
-
-The two ranks run as two nodes of a namespace fabric (tests/support/netns.py) with a `tc`
-token-bucket rate limit on each node's link (addresses on that private bridge only: nothing
-leaves the machine); then once more with the limit removed. Without root or iproute2 they run
-on loopback, and say so.
-"""
+"""Two ranks of a benchmark on an emulated link (dp_overlap, tp_overlap, pipeline): two nodes of a
+namespace fabric (`netns`) with a `tc` token-bucket rate limit on each node's link (addresses on
+that private bridge only: nothing leaves the machine), then once more with the limit removed.
+Without root or iproute2 they run on loopback, and say so."""
 
 from __future__ import annotations
 
@@ -17,24 +13,23 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the namespace fabric is test harness
+from mshpc.bench.harness import WORKER_TIMEOUT_S, emit, time_rounds
+from mshpc.bench.netns import Fabric, run_ranks, why_unavailable
 
-from support.netns import Fabric, run_ranks, why_unavailable  # noqa: E402  (found through the path above)
-
-REPO = Path(__file__).resolve().parents[1]
 PORT = 29500  # free by construction: the namespaces are new
-WORKER_TIMEOUT_S = 600
+Steps = dict[str, tuple[Callable[[], None], Callable[[], None]]]
 
 
 class Loopback:
     """The fallback: both ranks on 127.0.0.1, no rate limit possible."""
 
-    def prefix(self, rank: int) -> tuple[list[str], dict[str, str]]:
+    def prefix(self, i: int, hostname: str | None = None) -> tuple[list[str], dict[str, str]]:
         return [], {"GLOO_SOCKET_IFNAME": "lo"}
 
 
-def run_pair(script: str, link: Fabric | Loopback, addr: str, port: int, args: argparse.Namespace) -> dict:
+def run_pair(script: str, link: Fabric | Loopback, addr: str, port: int, args: argparse.Namespace) -> Any:
     """Start `script --worker RANK --addr --port` plus every other option in `args` as rank 0 and
     rank 1, wait for both, return the JSON object rank 0 printed last."""
     commands = []
@@ -42,7 +37,7 @@ def run_pair(script: str, link: Fabric | Loopback, addr: str, port: int, args: a
         prefix, env = link.prefix(rank)
         cmd = [*prefix, sys.executable, script, "--worker", str(rank), "--addr", addr, "--port", str(port),
                *_options(args)]
-        commands.append((cmd, {**env, "PYTHONPATH": str(REPO)}))
+        commands.append((cmd, env))
     try:
         done = run_ranks(commands, WORKER_TIMEOUT_S)
     except RuntimeError as exc:
@@ -59,7 +54,7 @@ def add_link_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace) -> list[str]:
-    out = []
+    out: list[str] = []
     for key, value in vars(args).items():
         if key not in ("worker", "addr", "port"):
             values = value if isinstance(value, list) else [value]
@@ -69,7 +64,7 @@ def _options(args: argparse.Namespace) -> list[str]:
 
 def main_on_links(script: str, kind: str, args: argparse.Namespace,
                   worker: Callable[[argparse.Namespace], None],
-                  lines: Callable[[str, dict, argparse.Namespace], list[dict]]) -> dict[str, dict] | None:
+                  lines: Callable[[str, Any, argparse.Namespace], list[dict[str, Any]]]) -> dict[str, Any] | None:
     """A benchmark's main: the worker, when run_pair started this process as a rank; otherwise both
     ranks on every link, printing each link's JSON lines. Returns rank 0's results by link."""
     if args.worker is not None:
@@ -78,16 +73,16 @@ def main_on_links(script: str, kind: str, args: argparse.Namespace,
     results = run_on_links(script, kind, args.rate_mbit, args)
     for label, r in results.items():
         for record in lines(label, r, args):
-            print(json.dumps(record), flush=True)
+            emit(record)
     return results
 
 
-def run_on_links(script: str, kind: str, rate_mbit: float, args: argparse.Namespace) -> dict[str, dict]:
+def run_on_links(script: str, kind: str, rate_mbit: float, args: argparse.Namespace) -> dict[str, Any]:
     """rank 0's results by link: the rate-limited veth, then the same link unlimited; or, where
     namespaces cannot be made, loopback (and a line on stderr saying why)."""
     reason = why_unavailable()
     if reason is None:
-        results = {}
+        results: dict[str, Any] = {}
         with Fabric(kind, 2) as link:
             for label, rate in ((f"{rate_mbit:g}mbit", rate_mbit), ("unlimited", None)):
                 for rank in range(2):
@@ -102,35 +97,9 @@ def run_on_links(script: str, kind: str, rate_mbit: float, args: argparse.Namesp
     return {"loopback": run_pair(script, Loopback(), "127.0.0.1", port, args)}
 
 
-def time_steps(steps: dict, rounds: int, per_round: int) -> dict[str, float]:
-    """Steady-state step time: the median over rounds of `time_rounds`."""
+def time_steps(steps: Steps, rounds: int, per_round: int) -> dict[str, float]:
+    """Steady-state step time: the median over rounds of `harness.time_rounds`."""
     return {n: statistics.median(s) for n, s in time_rounds(steps, rounds, per_round).items()}
-
-
-def time_rounds(steps: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
-    """Per contender, one sample per round: the mean of `per_round` consecutive steps.
-    An untimed lead-in step comes first, so the first timed forward waits for the all-gathers
-    of a previous step, as every forward in training does; the last timed step's all-gathers
-    are the next step's to wait for, and land after the clock stops. The contenders take turns
-    within each round, in reverse order every other round, so a noisy neighbour on the machine
-    (or a drift) slows all of them alike. Round 0 is warm-up."""
-    from mshpc.parallel import comm
-
-    names = [n for n in steps if n != "facts"]
-    samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds + 1):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            step, finish = steps[name]
-            comm.barrier()  # not between lead-in and clock: it would wait for the all-gathers
-            step()
-            start = time.perf_counter()
-            for _ in range(per_round):
-                step()
-            elapsed = time.perf_counter() - start
-            finish()
-            if r > 0:
-                samples[name].append(elapsed / per_round)
-    return samples
 
 
 def measure_link_mbit(rank: int, addr: str, port: int, nbytes: int = 32 << 20) -> float | None:

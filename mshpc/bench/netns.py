@@ -41,7 +41,7 @@ class Fabric:
             _ip("netns", "add", self.hub)
             _ip("-n", self.hub, "link", "add", self.bridge, "type", "bridge")
             _ip("-n", self.hub, "link", "set", self.bridge, "up")
-            for i, (ns, dev, hub_dev) in enumerate(zip(self.ns, self.dev, self.hub_dev)):
+            for i, (ns, dev, hub_dev) in enumerate(zip(self.ns, self.dev, self.hub_dev, strict=True)):
                 _ip("netns", "add", ns)
                 _ip("link", "add", dev, "type", "veth", "peer", "name", hub_dev)
                 _ip("link", "set", dev, "netns", ns)
@@ -96,7 +96,7 @@ def run_ranks(commands: list[tuple[list[str], dict[str, str]]], timeout_s: float
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    done = [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    done = [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
     for rank, result in enumerate(done):
         if result.returncode not in ok_codes:
             raise RuntimeError(f"rank {rank} exited with code {result.returncode}:\n{result.stderr[-3000:]}")
