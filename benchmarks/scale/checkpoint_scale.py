@@ -109,8 +109,9 @@ def rank_entries(params: list[Param], layouts: list[BucketLayout], dp_rank: int,
 
 def layouts_for(params: list[Param], cfg: Config, dp: int) -> list[BucketLayout]:
     bucket_numel = int(cfg.parallel.bucket_mb * 2**20) // 4
-    return build_layouts([int(np.prod(s)) for _, s, _ in params], [r for _, _, r in params],
-                         [False] * len(params), bucket_numel, dp)
+    plans = build_layouts([int(np.prod(s)) for _, s, _ in params], [r for _, _, r in params],
+                          [False] * len(params), bucket_numel, (dp,))
+    return [plan.layout for plan in plans]
 
 
 def manifest_for(cfg: Config, shape: MeshShape) -> Manifest:

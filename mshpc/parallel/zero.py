@@ -16,12 +16,17 @@ rank holds whole (the norms) get only a partial gradient under sequence parallel
 rank's part of the sequence; they live in buckets of their own, whose reduced shards are summed
 over the tp group too (Megatron's rule for sequence-parallel norms). The clipping norm is summed
 over the model-parallel group as well, counting those parameters once.
+
+A `ShardDomain` names parameters that are reduced, sharded and gathered over a group of their own
+(an MoE's experts over their expert-data-parallel group): a bucket never mixes domains, and each
+knows its group. Every element is still counted once in the clipping norm, summed over the dp
+group, which holds every expert's peers when expert parallelism is carved out of dp.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -40,22 +45,54 @@ CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1
 
 
 @dataclass(frozen=True)
+class ShardDomain:
+    """Parameters reduced, sharded and gathered over a group of their own instead of the dp group
+    (a mixture of experts' expert weights over their expert-data-parallel group). Their gradients
+    are still divided by the mesh's dp: an expert's local gradient already sums the tokens its
+    peers routed to it. `placement`: name -> (the whole tensor's shape, the flat offset of this
+    rank's local parameter in it), so checkpoints hold the whole tensor (experts by global index)."""
+
+    names: frozenset[str]  # as model.named_parameters() gives them
+    group: dist.ProcessGroup
+    placement: Mapping[str, tuple[tuple[int, ...], int]]
+
+
+@dataclass(frozen=True)
 class Bucket:
-    """One bucket's buffers on this rank."""
+    """One bucket's buffers on this rank, and the group it is reduced and gathered over."""
 
     layout: BucketLayout
     params: torch.Tensor  # (numel,) parameter dtype; the model's parameters are views into it
     grads: torch.Tensor  # (numel,) fp32; each parameter's gradient is copied, then added, into its view
     master: torch.Tensor  # (shard_numel,) fp32: this rank's shard of the parameters
-    rank: int  # this rank's index in the dp group: its shard is elements [rank * n, (rank + 1) * n)
+    rank: int  # this rank's index in `group`: its shard is elements [rank * n, (rank + 1) * n)
+    group: dist.ProcessGroup | None  # the dp group, or its domain's group (ShardDomain)
     tp_replicated: bool = False  # holds parameters every tp rank has whole (see the module doc)
     tied: bool = False  # holds one tied parameter alone: the same shard as its copy's on the tied group
+    # the buffers in memory the group's ranks all map (host_shared.py): params at shared_index,
+    # grads at shared_index + 1
+    shared: HostShared | None = None
+    shared_index: int = 0
 
     @property
     def shard_grad(self) -> torch.Tensor:
         """This rank's shard of the gradients: the reduce-scatter's output, in place."""
         n = self.layout.shard_numel
         return self.grads[self.rank * n:(self.rank + 1) * n]
+
+    def reduce_scatter(self) -> comm.Pending | None:
+        """Start summing the gradients over the bucket's group into shard_grad; collective over it."""
+        if self.shared is not None:
+            return host_shared.reduce_scatter(self.shared, self.shared_index + 1, self.shard_grad)
+        # async: on NCCL the collective runs on its own stream, on gloo as point-to-point sends
+        return comm.reduce_scatter(self.shard_grad, self.grads, self.group, async_op=True)
+
+    def all_gather(self, source: torch.Tensor) -> comm.Pending | None:
+        """Start gathering every member's `source` (its shard, parameter dtype) into params;
+        collective over the bucket's group."""
+        if self.shared is not None:
+            return host_shared.all_gather(self.shared, self.shared_index, source)
+        return comm.all_gather(self.params, source, self.group, async_op=True)
 
 
 @dataclass(frozen=True)
@@ -127,7 +164,7 @@ class ZeroEngine:
         self, model: nn.Module, params: list[nn.Parameter], buckets: list[Bucket],
         bucket_of: list[int], grad_views: list[torch.Tensor], pieces: list[ShardPiece],
         optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None, overlap: bool,
-        mp: ModelParallel, shared: HostShared | None = None,
+        mp: ModelParallel,
     ) -> None:
         self.model = model
         self.params = params
@@ -139,7 +176,8 @@ class ZeroEngine:
         self.group = group
         self.overlap = overlap
         self.mp = mp
-        self.shared = shared  # the buckets' buffers in shared memory (zero_build.map_shared_buckets)
+        # some buckets' buffers live in shared memory (zero_build.map_shared_buckets)
+        self.shared = any(b.shared is not None for b in buckets)
         self.dp = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._ready = [0] * len(buckets)  # parameters whose gradient is complete, per bucket
@@ -286,20 +324,13 @@ class ZeroEngine:
             bucket = self.buckets[self._next_reduce]
             if not force and self._ready[self._next_reduce] < len(bucket.layout.slots):
                 return
-            if self._next_reduce == 0 and self.shared is not None:
+            if self._next_reduce == 0 and self.shared:
                 # the step's first signal to the peers: every read of their rows for the last
                 # step's gathers must be done before it (host_shared.py)
                 self.wait_params()
             self._zero_unused(bucket)
-            self._reducing.append(self._reduce_scatter(self._next_reduce))
+            self._reducing.append(bucket.reduce_scatter())
             self._next_reduce += 1
-
-    def _reduce_scatter(self, b: int) -> comm.Pending | None:
-        bucket = self.buckets[b]
-        if self.shared is not None:
-            return host_shared.reduce_scatter(self.shared, 2 * b + 1, bucket.shard_grad)
-        # async: on NCCL the collective runs on its own stream, on gloo as point-to-point sends
-        return comm.reduce_scatter(bucket.shard_grad, bucket.grads, self.group, async_op=True)
 
     def _zero_unused(self, bucket: Bucket) -> None:
         # a parameter no micro-batch of this step reached (unused, or a frozen branch) would
@@ -331,9 +362,7 @@ class ZeroEngine:
             bucket = self.buckets[b]
             source = bucket.master.to(bucket.params.dtype)  # no copy for fp32 parameters
             # the source rides along with its Work: NCCL reads it until the gather completes
-            work = (host_shared.all_gather(self.shared, 2 * b, source) if self.shared is not None
-                    else comm.all_gather(bucket.params, source, self.group, async_op=True))
-            self._gathering[b] = (work, source)
+            self._gathering[b] = (bucket.all_gather(source), source)
 
     def _wait_gathers(self, buckets: tuple[int, ...]) -> None:
         for b in buckets:

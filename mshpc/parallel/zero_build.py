@@ -5,6 +5,9 @@ that drive the overlap. Each part is a small `build_*` function, in the order th
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,7 +20,15 @@ from mshpc.parallel import comm
 from mshpc.parallel.buckets import BucketLayout, build_buckets
 from mshpc.parallel.host_shared import HostShared, map_buffers
 from mshpc.parallel.sharded_optim import build_shard_optimizer
-from mshpc.parallel.zero import DP_ONLY, GRAD_DTYPE, Bucket, ModelParallel, ShardPiece, ZeroEngine
+from mshpc.parallel.zero import (
+    DP_ONLY,
+    GRAD_DTYPE,
+    Bucket,
+    ModelParallel,
+    ShardDomain,
+    ShardPiece,
+    ZeroEngine,
+)
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -29,35 +40,52 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return named
 
 
+@dataclass(frozen=True)
+class BucketPlan:
+    """Where a bucket goes: its layout and the domain it belongs to (0: the dp group; d: domains[d - 1])."""
+
+    layout: BucketLayout
+    domain: int
+
+
 def build_layouts(numels: list[int], tp_replicated: list[bool], tied: list[bool], bucket_numel: int,
-                  dp: int) -> list[BucketLayout]:
+                  dps: tuple[int, ...], domain_of: list[int] | None = None) -> list[BucketPlan]:
     """Buckets of the parameters tp ranks split, then buckets of those every tp rank holds whole
     (without tensor parallelism: all of them in the first kind). The second kind comes last:
     their reduce-scatters start in bucket order, and the first layer's norm completes them. A
-    tied parameter gets a bucket of its own."""
-    layouts = []
+    tied parameter gets a bucket of its own. Parameter i belongs to domain domain_of[i] (default
+    all 0), whose group has dps[d] ranks; a bucket holds one domain's parameters, and within a
+    kind the domains' buckets interleave in backward order (latest-registered parameters first)."""
+    domain_of = domain_of if domain_of is not None else [0] * len(numels)
+    plans = []
     for kind in (False, True):
-        indices = [i for i, rep in enumerate(tp_replicated) if rep == kind]
-        alone = frozenset(k for k, i in enumerate(indices) if tied[i])
-        for layout in build_buckets([numels[i] for i in indices], bucket_numel, dp, alone):
-            slots = tuple(dataclasses.replace(slot, index=indices[slot.index]) for slot in layout.slots)
-            layouts.append(dataclasses.replace(layout, slots=slots))
-    return layouts
+        mine = []
+        for d, dp in enumerate(dps):
+            indices = [i for i, rep in enumerate(tp_replicated) if rep == kind and domain_of[i] == d]
+            alone = frozenset(k for k, i in enumerate(indices) if tied[i])
+            for layout in build_buckets([numels[i] for i in indices], bucket_numel, dp, alone):
+                slots = tuple(dataclasses.replace(slot, index=indices[slot.index]) for slot in layout.slots)
+                mine.append(BucketPlan(dataclasses.replace(layout, slots=slots), d))
+        plans += sorted(mine, key=lambda plan: -min(slot.index for slot in plan.layout.slots))  # stable
+    return plans
 
 
 def build_bucket_buffers(
-    params: list[nn.Parameter], layouts: list[BucketLayout], rank: int, group: dist.ProcessGroup | None,
-    tp_replicated: list[bool], tied: list[bool], shared: HostShared | None = None,
+    params: list[nn.Parameter], plans: list[BucketPlan], groups: tuple[dist.ProcessGroup | None, ...],
+    tp_replicated: list[bool], tied: list[bool], shared: tuple[HostShared | None, ...],
 ) -> list[Bucket]:
     """Move each parameter into its bucket's flat buffer (the parameter becomes a view), make
-    every rank's parameters dp rank 0's, and cut this rank's fp32 master shard. Collective over
-    the dp group (a broadcast per bucket). With `shared`, bucket b's parameters and gradients are
-    its buffers 2b and 2b + 1 (map_shared_buckets' order)."""
-    buckets = []
-    for b, layout in enumerate(layouts):
+    every rank's parameters those of its domain group's first rank, and cut this rank's fp32
+    master shard. Collective over each domain's group (a broadcast per bucket). With
+    shared[d], domain d's k-th bucket's parameters and gradients are its buffers 2k and 2k + 1
+    (map_shared_buckets' order)."""
+    buckets: list[Bucket] = []
+    for k, plan in enumerate(plans):
+        layout, group, mapped = plan.layout, groups[plan.domain], shared[plan.domain]
+        index = 2 * sum(1 for q in plans[:k] if q.domain == plan.domain)  # this bucket's place in `mapped`
         p0 = params[layout.slots[0].index]
-        if shared is not None:
-            flat, grads = shared.local[2 * b], shared.local[2 * b + 1]  # zeroed when mapped
+        if mapped is not None:
+            flat, grads = mapped.local[index], mapped.local[index + 1]  # zeroed when mapped
         else:
             flat = torch.zeros(layout.numel, dtype=p0.dtype, device=p0.device)
             grads = torch.zeros(layout.numel, dtype=GRAD_DTYPE, device=p0.device)
@@ -67,24 +95,26 @@ def build_bucket_buffers(
             p.data = flat[slot.offset:slot.offset + slot.numel].view(p.shape)
         # DDP's rule: start from one replica's weights, whatever each rank initialised
         comm.broadcast(flat, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        rank = dist.get_rank(group)
         lo = rank * layout.shard_numel
         master = flat[lo:lo + layout.shard_numel].to(torch.float32, copy=True)
         first = layout.slots[0].index
-        buckets.append(Bucket(layout, flat, grads, master, rank, tp_replicated[first], tied[first]))
+        buckets.append(Bucket(layout, flat, grads, master, rank, group, tp_replicated[first], tied[first],
+                              mapped, index))
     return buckets
 
 
-def map_shared_buckets(params: list[nn.Parameter], layouts: list[BucketLayout], parallel: ParallelConfig,
-                       group: dist.ProcessGroup | None) -> HostShared | None:
-    """The buckets' buffers in memory the dp group's ranks all map (host_shared.py), where that
-    helps and works: CPU parameters on gloo, more than one rank, all on this host. Collective
-    over the dp group."""
+def map_shared_buckets(params: list[nn.Parameter], plans: list[BucketPlan], parallel: ParallelConfig,
+                       group: dist.ProcessGroup | None, domain: int) -> HostShared | None:
+    """The buffers of the buckets of `domain` (over `group`) in memory the group's ranks all map
+    (host_shared.py), where that helps and works: CPU parameters on gloo, more than one rank,
+    all on this host. Collective over `group`."""
     on_cpu = all(p.device.type == "cpu" for p in params)
     if not (parallel.dp_shared_memory and on_cpu and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"):
         return None
-    dtypes = [params[layout.slots[0].index].dtype for layout in layouts]
-    specs = [spec for layout, dtype in zip(layouts, dtypes, strict=True)
-             for spec in ((layout.numel, dtype), (layout.numel, GRAD_DTYPE))]
+    specs = [spec for plan in plans if plan.domain == domain
+             for spec in ((plan.layout.numel, params[plan.layout.slots[0].index].dtype),
+                          (plan.layout.numel, GRAD_DTYPE))]
     return map_buffers(specs, group)
 
 
@@ -101,14 +131,16 @@ def build_grad_views(params: list[nn.Parameter], buckets: list[Bucket]) -> list[
 
 
 def build_shard_pieces(
-    named: list[tuple[str, nn.Parameter]], buckets: list[Bucket], rank: int, mp: ModelParallel
+    named: list[tuple[str, nn.Parameter]], buckets: list[Bucket], mp: ModelParallel,
+    placement: Mapping[str, tuple[tuple[int, ...], int]],
 ) -> list[ShardPiece]:
     """This rank's part of every parameter, as views into the master shards, each with its
-    .grad a view into the reduced gradient shard, and its checkpoint key."""
+    .grad a view into the reduced gradient shard, and its checkpoint key; a parameter in
+    `placement` (a domain's) is a piece of the whole tensor placed there."""
     pieces = []
     for bucket in buckets:
         shard_grad = bucket.shard_grad
-        for piece in bucket.layout.pieces(rank):
+        for piece in bucket.layout.pieces(bucket.rank):
             name, p = named[piece.index]
             span = slice(piece.shard_offset, piece.shard_offset + piece.numel)
             tensor = bucket.master[span]
@@ -116,7 +148,8 @@ def build_shard_pieces(
             saved = mp.tp_rank == 0 or not bucket.tp_replicated
             copies = mp.copies.get(name)
             uncounted = None if copies is None else copies.reshape(-1)[piece.param_start:piece.param_start + piece.numel]
-            pieces.append(ShardPiece(name, tuple(p.shape), piece.param_start, tensor, mp.checkpoint_key(name), saved,
+            shape, offset = placement.get(name, (tuple(p.shape), 0))
+            pieces.append(ShardPiece(name, shape, offset + piece.param_start, tensor, mp.checkpoint_key(name), saved,
                                      uncounted))
     return pieces
 
@@ -158,33 +191,60 @@ def _register_hooks(engine: ZeroEngine, units: tuple[nn.Module, ...]) -> None:
             module.register_forward_pre_hook(lambda *_, b=buckets: engine._wait_gathers(b))
 
 
+def check_domains(named: list[tuple[str, nn.Parameter]], domains: tuple[ShardDomain, ...], mp: ModelParallel) -> None:
+    """Each domain's parameters exist, belong to no other domain and are not tied, and each one's
+    placement fits its whole tensor."""
+    params = dict(named)
+    seen: set[str] = set()
+    for domain in domains:
+        for name in sorted(domain.names):
+            if name not in params or name in seen or name in mp.tied:
+                why = ("is not a trainable parameter" if name not in params
+                       else "is in two domains" if name in seen else "is tied to another stage's copy")
+                raise ConfigError(f"ZeRO shard domain: {name} {why} (a domain names untied trainable "
+                                  "parameters of model.named_parameters(), each in one domain)")
+            seen.add(name)
+            shape, offset = domain.placement.get(name, (tuple(params[name].shape), 0))
+            if offset < 0 or offset + params[name].numel() > math.prod(shape):
+                raise ConfigError(f"ZeRO shard domain: {name} ({params[name].numel()} elements) placed at "
+                                  f"offset {offset} does not fit its whole shape {shape}")
+
+
 def build_zero_engine(
     model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
     mp: ModelParallel = DP_ONLY, fused: bool = False, hook_units: tuple[nn.Module, ...] = (),
+    domains: tuple[ShardDomain, ...] = (),
 ) -> ZeroEngine:
     """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
     (None: the world), with the optimizer named by `optim` (its multi-tensor kernel version when
     `fused`); `mp` says how the model is split besides; each of `hook_units` (compiled blocks)
-    waits for its weights as a whole. Collective over the dp group."""
+    waits for its weights as a whole; `domains` are sharded over groups of their own.
+    Collective over the dp group and every domain's group."""
     named = _trainable(model)
+    check_domains(named, domains, mp)
     params = [p for _, p in named]
-    rank, dp = dist.get_rank(group), dist.get_world_size(group)
+    groups = (group, *(d.group for d in domains))
+    domain_of = [next((d + 1 for d, dom in enumerate(domains) if name in dom.names), 0) for name, _ in named]
     bucket_numel = max(1, int(parallel.bucket_mb * 2**20) // GRAD_DTYPE.itemsize)  # MiB of fp32 grads
     replicated = [mp.tp_size > 1 and name in mp.replicated for name, _ in named]
     tied = [name in mp.tied for name, _ in named]
-    layouts = build_layouts([p.numel() for p in params], replicated, tied, bucket_numel, dp)
-    shared = map_shared_buckets(params, layouts, parallel, group)
-    buckets = build_bucket_buffers(params, layouts, rank, group, replicated, tied, shared)
+    plans = build_layouts([p.numel() for p in params], replicated, tied, bucket_numel,
+                          tuple(dist.get_world_size(g) for g in groups), domain_of)
+    shared = tuple(map_shared_buckets(params, plans, parallel, g, d) for d, g in enumerate(groups))
+    buckets = build_bucket_buffers(params, plans, groups, replicated, tied, shared)
     bucket_of = [0] * len(params)
-    for b, layout in enumerate(layouts):
-        for slot in layout.slots:
+    for b, plan in enumerate(plans):
+        for slot in plan.layout.slots:
             bucket_of[slot.index] = b
     grad_views = build_grad_views(params, buckets)
-    pieces = build_shard_pieces(named, buckets, rank, mp)
-    groups = build_piece_groups(model, named, pieces, optim.weight_decay)
+    placement = {name: where for d in domains for name, where in d.placement.items()}
+    pieces = build_shard_pieces(named, buckets, mp, placement)
+    opt_groups = build_piece_groups(model, named, pieces, optim.weight_decay)
     tp_whole = frozenset(i for i, rep in enumerate(replicated) if rep)
-    optimizer = build_shard_optimizer(groups, len(params), optim, group, mp.tp, tp_whole, fused)
+    norm_domains = tuple((d.group, frozenset(i for i, of in enumerate(domain_of) if of == k + 1))
+                         for k, d in enumerate(domains))
+    optimizer = build_shard_optimizer(opt_groups, len(params), optim, group, mp.tp, tp_whole, fused, norm_domains)
     engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group,
-                        parallel.dp_overlap, mp, shared)
+                        parallel.dp_overlap, mp)
     _register_hooks(engine, hook_units)
     return engine

@@ -98,7 +98,7 @@ def train(rank: int, world: int, shm_dir: str) -> dict:
             engine.step(0.05)
             losses.append(loss.item())
         engine.wait_params()
-        out[shared] = {"mapped": engine.shared is not None, "losses": losses,
+        out[shared] = {"mapped": engine.shared, "losses": losses,
                        "params": torch.cat([p.detach().reshape(-1) for p in engine.model.parameters()])}
     return {"mapped": [out[True]["mapped"], out[False]["mapped"]],
             "same_losses": out[True]["losses"] == out[False]["losses"],
