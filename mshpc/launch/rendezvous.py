@@ -10,7 +10,7 @@ poll the port every few milliseconds first and connect once it accepts (benchmar
 What is left is torch's and the site's: each store connect and accept does a reverse DNS lookup
 of the peer (c10d's socket.cpp formats addresses with getnameinfo), on rank 0's store thread one
 after another, and a lost reply costs the resolver's timeout, 5 s by default, for every rank
-(README, Scale: "The 5 s at 32 local ranks"; benchmarks/store_connect.py).
+(docs/benchmarks/rendezvous_cpu2_2026-12-04.md; benchmarks/store_connect.py).
 
 gloo connects lazily (`connect_lazily`): a group's creation publishes this rank's address once,
 and a pair of ranks connects, one store read, on its first message. Eagerly, every member of

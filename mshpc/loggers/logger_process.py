@@ -1,7 +1,7 @@
 """The loggers' own process: rank 0 starts it, and TensorBoard and W&B run there, not in a rank.
 
 Why a process and not a thread: W&B initialised inside rank 0 made that rank's loop thread take
-more CPU per step, with no row logged at all (benchmarks/loggers_eval.py; README, Loggers), and a
+more CPU per step, with no row logged at all (benchmarks/loggers_eval.py; docs/benchmarks/loggers_eval_cpu2_2026-12-04.md), and a
 rank's GIL is the loop's. Here the loop's whole cost is one non-blocking pipe write per row.
 
 Protocol, JSON lines both ways (nothing pickled). Rows pipe, parent -> child: first

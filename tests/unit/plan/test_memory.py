@@ -150,7 +150,7 @@ def test_parameter_count_matches_the_model():
 
 
 def test_the_3072_gpu_layouts_of_the_175b_table():
-    # README's 175B table at 6,144 sequences: the layout it used to pick (dp 96, tp 8, pp 4, v 24,
+    # docs/planning.md's 175B table at 6,144 sequences: the layout it used to pick (dp 96, tp 8, pp 4, v 24,
     # mb 4) needed 83.4 GiB on its first stage while v pinned the qkv output, and fits in 80 with
     # v copied out; the plan's pick now needs 65.9 GiB
     old = Layout(dp=96, tp=8, pp=4, virtual_stages=24, micro_batch=4, n_micro=16, checkpointing="none")
