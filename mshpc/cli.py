@@ -37,19 +37,45 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "prepare", help="turn text files or folders into token shards",
-        description="Tokenize text files (folders are walked recursively) into a dataset folder "
-        "of memory-mappable token shards with an index and checksums; point data.path at it.",
+        "prepare", help="tokenize records and text files into token shards",
+        description="Tokenize JSONL (.jsonl, .ndjson, also .gz or .zst: one record a line), Parquet, "
+        "Hugging Face datasets saved with save_to_disk (each record a document) and text files (each "
+        "file a document; folders are walked recursively) into a dataset folder of token shards with "
+        "an index, checksums and the tokenizer's files; point data.path at it.",
     )
-    p.add_argument("inputs", nargs="+", type=Path, help="text files or folders")
+    p.add_argument("inputs", nargs="+", type=Path, help="record files, saved datasets, text files or folders")
     p.add_argument("--out", required=True, type=Path, help="dataset folder to create")
     p.add_argument("--tokenizer", default="byte",
-                   help="'byte' (default, needs nothing downloaded) or a tokenizers BPE .json file")
+                   help="'byte' (default, needs nothing downloaded), a tokenizer.json, a Hugging Face model "
+                   "folder (Llama 3, Qwen...), a SentencePiece .model or a tiktoken .tiktoken ranks file")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the field (JSONL) or column (Parquet, saved datasets) holding each record's text")
+    p.add_argument("--skip-bad-records", action="store_true",
+                   help="skip and count malformed records instead of stopping at the first one")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="tokenizing processes (default: the cores); the output is the same for any N")
     p.add_argument("--val-fraction", type=float, default=0.0, metavar="F",
                    help="hold out this fraction of the documents (by hash) into OUT/val for eval.*")
     p.add_argument("--val", nargs="+", type=Path, default=[], metavar="INPUT",
-                   help="text files or folders held out into OUT/val (left out of training)")
+                   help="inputs held out into OUT/val (their copies are left out of training)")
     p.set_defaults(func=cmd_prepare)
+
+
+def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer on a corpus",
+                       description="Tokenizer tools.")
+    verbs = p.add_subparsers(title="actions", metavar="ACTION", required=True)
+    train = verbs.add_parser(
+        "train", help="train a byte-level BPE (Hugging Face tokenizers) on a corpus",
+        description="Train a byte-level BPE with the tokenizers library on CORPUS (any input mshpc prepare "
+        "reads) and write OUT as a Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json; "
+        "<|endoftext|> ends documents): pass it to mshpc prepare --tokenizer OUT.")
+    train.add_argument("corpus", nargs="+", type=Path, help="record files, saved datasets, text files or folders")
+    train.add_argument("--vocab", required=True, type=int, metavar="N", help="vocabulary size, e.g. 32000")
+    train.add_argument("--out", required=True, type=Path, metavar="DIR", help="the folder to create")
+    train.add_argument("--text-field", default="text", metavar="NAME", help="as mshpc prepare's")
+    train.add_argument("--skip-bad-records", action="store_true", help="as mshpc prepare's")
+    train.set_defaults(func=cmd_tokenizer_train)
 
 
 def _add_ckpt(sub: argparse._SubParsersAction) -> None:
@@ -199,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_train(sub)
     _add_prepare(sub)
+    _add_tokenizer(sub)
     _add_ckpt(sub)
     _add_submit(sub)
     _add_preflight(sub)
@@ -318,11 +345,23 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from mshpc.data.prepare import prepare_corpus
+    from mshpc.data.prepare import PrepareOptions, default_workers, prepare_corpus
+    from mshpc.data.records import Reading
 
-    out = prepare_corpus(args.inputs, args.out, tokenizer_spec=args.tokenizer,
-                         val_fraction=args.val_fraction, val_inputs=args.val)
+    opts = PrepareOptions(tokenizer=args.tokenizer, val_fraction=args.val_fraction, val_inputs=tuple(args.val),
+                          reading=Reading(args.text_field, args.skip_bad_records),
+                          workers=default_workers() if args.workers is None else args.workers, progress="auto")
+    out = prepare_corpus(args.inputs, args.out, opts)
     print(f"prepared {out}")
+    return 0
+
+
+def cmd_tokenizer_train(args: argparse.Namespace) -> int:
+    from mshpc.data.records import Reading
+    from mshpc.data.tokenizer_train import train_tokenizer
+
+    out = train_tokenizer(args.corpus, args.out, args.vocab, Reading(args.text_field, args.skip_bad_records))
+    print(f"trained {out} (pass it to mshpc prepare --tokenizer {out})")
     return 0
 
 

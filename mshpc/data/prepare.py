@@ -1,44 +1,43 @@
-"""Corpus preparation: text files and folders -> a token dataset folder, published atomically.
+"""Corpus preparation: records and text files -> a token dataset folder, published atomically.
 
-Folders are walked recursively in sorted order (so a corpus always prepares to the same bytes),
-skipping hidden folders, `__pycache__`, `site-packages` and `node_modules`, and taking files whose
-suffix is in TEXT_SUFFIXES. A file is a document when it is non-empty UTF-8 without NUL bytes;
-other files found in folders are skipped, while a named input file that is not text is an error.
+The inputs (data/records.py) are read in bounded pieces, tokenized by worker processes
+(data/tokenize_pool.py; `--workers`, default the cores) and written in input order, so a corpus
+always prepares to the same bytes, whatever the worker count. The dataset keeps its tokenizer's
+files in `tokenizer/` (data/tokenizer_dir.py): training adopts it, generation and export use it.
 
 A held-out validation split goes into `val/` inside the dataset folder, a dataset of the same
 format. It is split by document, never by window (a window must not see the first half of a
 document whose second half is scored): `--val-fraction F` holds out each document whose sha256
 falls in the first F of the hash range (so identical documents land on the same side, and adding
-files never moves the others), and `--val INPUT...` holds out given files; a training document
+files never moves the others), and `--val INPUT...` holds out given inputs; a training document
 identical to one of those is left out of training.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import platform
 import shutil
 import sysconfig
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from mshpc.config import DataConfig
-from mshpc.data.shards import INDEX_FILE, ShardWriter, TokenDataset
+from mshpc.data.prepare_progress import PrepareProgress
+from mshpc.data.records import FORMATS, Reading, input_files, read_jobs, total_bytes
+from mshpc.data.shards import INDEX_FILE, ShardWriter, TokenDataset, token_dtype
+from mshpc.data.tokenize_pool import Task, Tokenized, tokenize_all
 from mshpc.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
+from mshpc.data.tokenizer_dir import TOKENIZER_DIR, save_tokenizer_dir
 from mshpc.errors import DataError
 
 log = logging.getLogger(__name__)
 
-TEXT_SUFFIXES = frozenset({
-    ".txt", ".md", ".rst", ".tex", ".json", ".jsonl", ".yaml", ".yml", ".toml", ".cfg", ".ini",
-    ".csv", ".xml", ".html", ".css", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu",
-    ".rs", ".go", ".java", ".js", ".ts", ".sh",
-})
-SKIP_DIRS = frozenset({"__pycache__", "site-packages", "node_modules"})
 DEFAULT_SHARD_TOKENS = 16_000_000
 VAL_DIR = "val"  # the held-out split, a dataset folder inside the training one
 # The embedded corpus's held-out share: about 17 of the stdlib's ~1,760 files, ~300k tokens,
@@ -46,59 +45,9 @@ VAL_DIR = "val"  # the held-out split, a dataset folder inside the training one
 DEFAULT_VAL_FRACTION = 0.01
 
 
-def _walk(folder: Path, suffixes: frozenset[str]) -> Iterator[Path]:
-    """Files under `folder` with one of `suffixes`, depth first in sorted order."""
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
-        for name in sorted(files):
-            if Path(name).suffix.lower() in suffixes:
-                yield Path(root) / name
-
-
-def _is_text(data: bytes) -> bool:
-    if b"\x00" in data:
-        return False
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def _candidates(inputs: Sequence[Path]) -> list[tuple[Path, bool]]:
-    """(file, named explicitly) for every input, after checking that all inputs exist."""
-    for path in map(Path, inputs):
-        if not path.exists():
-            raise DataError(f"input {path} does not exist (give text files or folders)")
-    found: list[tuple[Path, bool]] = []
-    for path in map(Path, inputs):
-        if path.is_dir():
-            found += [(f, False) for f in _walk(path, TEXT_SUFFIXES)]
-        else:
-            found.append((path, True))
-    return found
-
-
-def _documents(candidates: Iterable[tuple[Path, bool]]) -> Iterator[bytes]:
-    """The bytes of each candidate that is text; folder members that are not are skipped."""
-    skipped = 0
-    for path, explicit in candidates:
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            if explicit:
-                raise DataError(f"input {path}: unreadable ({exc.strerror})") from None
-            skipped += 1
-            continue
-        if _is_text(data):
-            if data:
-                yield data
-        elif explicit:
-            raise DataError(f"input {path}: not UTF-8 text (binary or another encoding)")
-        else:
-            skipped += 1
-    if skipped:
-        log.info("skipped %d unreadable or non-UTF-8 files", skipped)
+def default_workers() -> int:
+    """The cores this process may run on: `mshpc prepare`'s default worker count."""
+    return len(os.sched_getaffinity(0))
 
 
 def _publish(tmp: Path, out_dir: Path) -> Path:
@@ -117,71 +66,92 @@ def val_path(dataset: Path) -> Path:
     return Path(dataset) / VAL_DIR
 
 
-def _hash_share(digest: bytes) -> float:
-    """A document's place in [0, 1), from its sha256: uniform, and the same on every machine."""
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
 @dataclass
 class ValSplit:
-    """Which documents are held out: a `fraction` of them by hash, plus `docs` (the --val files)."""
+    """Which documents are held out: a `fraction` of them by hash, plus `docs` (the --val inputs,
+    tokenized) whose copies in training are left out."""
 
     fraction: float = 0.0
-    docs: list[bytes] = field(default_factory=list)
+    docs: list[Tokenized] = field(default_factory=list)
 
     @property
     def wanted(self) -> bool:
         return self.fraction > 0 or bool(self.docs)
 
 
-def _write_split(docs: Iterable[bytes], train: ShardWriter, val: ShardWriter | None,
-                 split: ValSplit, tokenizer: Tokenizer) -> int:
-    """Tokenize the held-out documents into `val` and `docs` into `train` or `val`; returns how
-    many training documents were dropped as copies of a held-out one."""
-    held = set()
-    for doc in split.docs:
-        held.add(hashlib.sha256(doc).digest())
+def _shares(digests: np.ndarray) -> np.ndarray:
+    """Each document's place in [0, 1), from its sha256: uniform, and the same on every machine."""
+    return digests[:, :8].copy().view(">u8")[:, 0] / 2.0**64
+
+
+def _write_split(results: Iterable[Tokenized], train: ShardWriter, val: ShardWriter | None,
+                 split: ValSplit, progress: PrepareProgress) -> tuple[int, int]:
+    """Write the held-out documents into `val` and the results into `train` or `val`; returns how
+    many training documents were dropped as copies of a held-out one, and the bad records skipped."""
+    held: set[bytes] = set()
+    for part in split.docs:
         assert val is not None
-        val.add(tokenizer.encode(doc))
-    dropped = 0
-    for doc in docs:
-        digest = hashlib.sha256(doc).digest() if val is not None else b""
-        if digest in held:
-            dropped += 1
-        elif val is not None and _hash_share(digest) < split.fraction:
-            held.add(digest)  # a later copy of it must not land in training
-            val.add(tokenizer.encode(doc))
-        else:
-            train.add(tokenizer.encode(doc))
-    return dropped
+        val.add(part.ids, part.lengths)
+        held.update(part.digests[i:i + 32] for i in range(0, len(part.digests), 32))
+    dropped = skipped = 0
+    for part in results:
+        progress.update(len(part.lengths), part.input_bytes)
+        skipped += part.skipped
+        if part.first_bad is not None and skipped == part.skipped:
+            log.warning("skipping bad records, the first: %s", part.first_bad)
+        if val is None:
+            train.add(part.ids, part.lengths)
+            continue
+        digests = np.frombuffer(part.digests, dtype=np.uint8).reshape(-1, 32)
+        side = np.where(_shares(digests) < split.fraction, 1, 0)  # 0 train, 1 val, 2 dropped
+        for i, digest in enumerate(map(bytes, digests)):
+            if digest in held:
+                side[i] = 2
+            elif side[i] == 1:
+                held.add(digest)  # a later copy of it must not land in training
+        dropped += int((side == 2).sum())
+        for writer, which in ((train, 0), (val, 1)):
+            keep = side == which
+            mask = np.repeat(keep, part.lengths)
+            writer.add(part.ids[mask], part.lengths[keep])
+    return dropped, skipped
 
 
-def _build(docs: Iterable[bytes], out_dir: Path, tokenizer: Tokenizer, shard_tokens: int,
-           source: str, split: ValSplit | None = None) -> Path:
-    """Tokenize `docs` (and the held-out split) into a sibling temp folder, then publish it as
-    `out_dir`."""
+def _check_written(writer: ShardWriter, val: ShardWriter | None, source: str, split: ValSplit) -> None:
+    if writer.n_tokens == 0 and val is not None and val.n_tokens:
+        raise DataError(f"every document of {source} was held out for validation (lower "
+                        "--val-fraction, or give --val inputs that are not all the inputs)")
+    if writer.n_tokens == 0:
+        raise DataError(f"no documents in {source} (give {FORMATS}; empty records and files are skipped)")
+    if val is not None and val.n_tokens == 0:
+        raise DataError(f"no document of {source} fell in the validation split (--val-fraction "
+                        f"{split.fraction:g} of {writer.n_docs} documents; raise it, or give --val inputs)")
+
+
+def _build(results: Iterable[Tokenized], out_dir: Path, tokenizer: Tokenizer, shard_tokens: int,
+           source: str, split: ValSplit | None = None, progress: PrepareProgress | None = None) -> Path:
+    """Write the tokenized `results` (and the held-out split) into a sibling temp folder with the
+    tokenizer's files, then publish it as `out_dir`."""
     split = split or ValSplit()
+    progress = progress or PrepareProgress(0, mode="none")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # A unique sibling: same filesystem (so rename is atomic), and racers never share it.
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
-        writer = ShardWriter(tmp, tokenizer, shard_tokens)
+        save_tokenizer_dir(tokenizer, tmp / TOKENIZER_DIR)
+        writer = ShardWriter(tmp, tokenizer, shard_tokens, TOKENIZER_DIR)
         val = None
         if split.wanted:
             (tmp / VAL_DIR).mkdir()
-            val = ShardWriter(tmp / VAL_DIR, tokenizer, shard_tokens)
-        dropped = _write_split(docs, writer, val, split, tokenizer)
-        if writer.n_tokens == 0 and val is not None and val.n_tokens:
-            raise DataError(f"every document of {source} was held out for validation (lower "
-                            "--val-fraction, or give --val files that are not all the inputs)")
-        if writer.n_tokens == 0:
-            raise DataError(f"no text documents in {source} (folders are searched for UTF-8 "
-                            f"files named {', '.join(sorted(TEXT_SUFFIXES))})")
+            save_tokenizer_dir(tokenizer, tmp / VAL_DIR / TOKENIZER_DIR)
+            val = ShardWriter(tmp / VAL_DIR, tokenizer, shard_tokens, TOKENIZER_DIR)
+        dropped, skipped = _write_split(results, writer, val, split, progress)
+        progress.close()
+        _check_written(writer, val, source, split)
+        if skipped:
+            log.warning("skipped %d bad records (--skip-bad-records)", skipped)
         if val is not None:
-            if val.n_tokens == 0:
-                raise DataError(f"no document of {source} fell in the validation split (--val-fraction "
-                                f"{split.fraction:g} of {writer.n_docs} documents; raise it, or give --val files)")
             val.finish()
             log.info("held out %s: %d docs, %d tokens (%d training copies of them left out)",
                      val_path(out_dir), val.n_docs, val.n_tokens, dropped)
@@ -192,26 +162,47 @@ def _build(docs: Iterable[bytes], out_dir: Path, tokenizer: Tokenizer, shard_tok
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def prepare_corpus(inputs: Sequence[Path], out_dir: Path, tokenizer_spec: str = "byte",
-                   shard_tokens: int = DEFAULT_SHARD_TOKENS, val_fraction: float = 0.0,
-                   val_inputs: Sequence[Path] = ()) -> Path:
-    """Tokenize the text files and folders `inputs` into a new dataset folder `out_dir`, holding
-    out `val_fraction` of the documents and the files and folders `val_inputs` into its `val/`."""
-    out_dir = Path(out_dir)
+@dataclass(frozen=True)
+class PrepareOptions:
+    """How `mshpc prepare` reads, tokenizes and splits (its flags)."""
+
+    tokenizer: str = "byte"
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    val_fraction: float = 0.0
+    val_inputs: tuple[Path, ...] = ()
+    reading: Reading = Reading()
+    workers: int = 1
+    progress: str = "none"  # "auto": a bar on a terminal, lines elsewhere
+
+
+def _check_options(out_dir: Path, opts: PrepareOptions) -> None:
     if out_dir.exists():
         raise DataError(f"output {out_dir} already exists (remove it or choose another folder)")
-    if shard_tokens < 1:
-        raise DataError(f"shard_tokens={shard_tokens} must be >= 1")
-    if not 0 <= val_fraction < 1:
-        raise DataError(f"--val-fraction {val_fraction:g} must be in [0, 1) (e.g. 0.01)")
-    tokenizer = build_tokenizer(tokenizer_spec)
-    candidates = _candidates(inputs)
-    held = list(_documents(_candidates(val_inputs))) if val_inputs else []
-    if val_inputs and not held:
-        raise DataError(f"no text documents in --val {', '.join(map(str, val_inputs))}")
+    if opts.shard_tokens < 1:
+        raise DataError(f"shard_tokens={opts.shard_tokens} must be >= 1")
+    if not 0 <= opts.val_fraction < 1:
+        raise DataError(f"--val-fraction {opts.val_fraction:g} must be in [0, 1) (e.g. 0.01)")
+    if opts.workers < 1:
+        raise DataError(f"--workers {opts.workers} must be >= 1 (default: the {default_workers()} cores)")
+
+
+def prepare_corpus(inputs: Sequence[Path], out_dir: Path, opts: PrepareOptions = PrepareOptions()) -> Path:
+    """Tokenize the records and text files of `inputs` into a new dataset folder `out_dir`, holding
+    out `opts.val_fraction` of the documents and the inputs `opts.val_inputs` into its `val/`."""
+    out_dir = Path(out_dir)
+    _check_options(out_dir, opts)
+    tokenizer = build_tokenizer(opts.tokenizer)
+    files = input_files(inputs)
+    task = Task(tokenizer, opts.reading, token_dtype(tokenizer.vocab_size), digests=True)
+    held = list(tokenize_all(read_jobs(input_files(opts.val_inputs), opts.reading), task, 1))
+    if opts.val_inputs and not any(len(h.lengths) for h in held):
+        raise DataError(f"no documents in --val {', '.join(map(str, opts.val_inputs))}")
+    wanted = opts.val_fraction > 0 or bool(held)
+    task = Task(tokenizer, opts.reading, task.dtype, digests=wanted)
     source = ", ".join(str(p) for p in inputs) or "(no inputs)"
-    return _build(_documents(candidates), out_dir, tokenizer, shard_tokens, source,
-                  ValSplit(val_fraction, held))
+    progress = PrepareProgress(total_bytes(files), mode=opts.progress)
+    results = tokenize_all(read_jobs(files, opts.reading), task, opts.workers)
+    return _build(results, out_dir, tokenizer, opts.shard_tokens, source, ValSplit(opts.val_fraction, held), progress)
 
 
 def _discard(path: Path) -> None:
@@ -239,9 +230,10 @@ def ensure_default_corpus(cache_dir: Path) -> Path:
             log.warning("%s is unusable (%s); preparing it again", target, exc)
             _discard(target)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = ((f, False) for f in _walk(stdlib, frozenset({".py"})))
-    return _build(_documents(files), target, ByteTokenizer(), DEFAULT_SHARD_TOKENS, str(stdlib),
-                  ValSplit(DEFAULT_VAL_FRACTION))
+    files = [(f, "text", False) for f, _, _ in input_files([stdlib]) if f.suffix == ".py"]
+    task = Task(ByteTokenizer(), Reading(), token_dtype(ByteTokenizer.vocab_size), digests=True)
+    return _build(tokenize_all(read_jobs(files, Reading()), task, 1), target, ByteTokenizer(),
+                  DEFAULT_SHARD_TOKENS, str(stdlib), ValSplit(DEFAULT_VAL_FRACTION))
 
 
 def dataset_path(cfg: DataConfig) -> Path:

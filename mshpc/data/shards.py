@@ -85,35 +85,39 @@ def write_shard(out_dir: Path, number: int, tokens: np.ndarray,
 
 
 class ShardWriter:
-    """Cuts a stream of documents (each followed by eos) into shards of `shard_tokens` and indexes them."""
+    """Cuts a stream of documents (each ending in eos) into shards of `shard_tokens` and indexes them."""
 
-    def __init__(self, out_dir: Path, tokenizer: Tokenizer, shard_tokens: int) -> None:
+    def __init__(self, out_dir: Path, tokenizer: Tokenizer, shard_tokens: int,
+                 tokenizer_dir: str | None = None) -> None:
         assert shard_tokens >= 1, shard_tokens
         self.out_dir = out_dir
         self.tokenizer = tokenizer
+        self.tokenizer_dir = tokenizer_dir
         self.shard_tokens = shard_tokens
         self.dtype = token_dtype(tokenizer.vocab_size)
         self.n_tokens = 0
         self.n_docs = 0
-        self._eos = np.array([tokenizer.eos_id], dtype=self.dtype)
         self._parts: list[np.ndarray] = []
-        self._doc_starts: list[int] = []  # relative to the first buffered token
+        self._doc_starts: list[np.ndarray] = []  # relative to the first buffered token
         self._buffered = 0
         self._shards: list[dict[str, Any]] = []
 
-    def add(self, tokens: np.ndarray) -> None:
-        """Append one document's tokens (eos is added here)."""
-        self._doc_starts.append(self._buffered)
-        self._parts += [tokens.astype(self.dtype, copy=False), self._eos]
-        self._buffered += len(tokens) + 1
-        self.n_tokens += len(tokens) + 1
-        self.n_docs += 1
+    def add(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents: `ids` back to back (each ending in eos), `lengths` of each."""
+        if not len(lengths):
+            return
+        assert int(lengths.sum()) == len(ids), (int(lengths.sum()), len(ids))
+        self._doc_starts.append(self._buffered + np.cumsum(lengths) - lengths)
+        self._parts.append(ids.astype(self.dtype, copy=False))
+        self._buffered += len(ids)
+        self.n_tokens += len(ids)
+        self.n_docs += len(lengths)
         if self._buffered >= self.shard_tokens:
             self._flush(final=False)
 
     def _flush(self, final: bool) -> None:
         stream = np.concatenate(self._parts)
-        starts = np.asarray(self._doc_starts, dtype=np.int64)
+        starts = np.concatenate(self._doc_starts).astype(np.int64, copy=False)
         n_out = len(stream) if final else len(stream) // self.shard_tokens * self.shard_tokens
         for lo in range(0, n_out, self.shard_tokens):
             hi = min(lo + self.shard_tokens, n_out)
@@ -121,7 +125,7 @@ class ShardWriter:
             self._shards.append(write_shard(self.out_dir, len(self._shards), stream[lo:hi], docs))
         rest = stream[n_out:].copy()  # copy: do not pin the whole concatenated buffer
         self._parts = [rest] if len(rest) else []
-        self._doc_starts = (starts[starts >= n_out] - n_out).tolist()
+        self._doc_starts = [starts[starts >= n_out] - n_out]
         self._buffered = len(rest)
 
     def finish(self) -> None:
@@ -133,6 +137,8 @@ class ShardWriter:
                  "vocab_size": self.tokenizer.vocab_size, "eos_id": self.tokenizer.eos_id,
                  "dtype": "uint16" if self.dtype.itemsize == 2 else "uint32",
                  "n_tokens": self.n_tokens, "n_docs": self.n_docs, "shards": self._shards}
+        if self.tokenizer_dir is not None:
+            index["tokenizer_dir"] = self.tokenizer_dir
         _fsync_write(self.out_dir / INDEX_FILE, json.dumps(index, indent=1).encode())
 
 
@@ -165,6 +171,8 @@ def read_index(path: Path) -> dict[str, Any]:
         _require(entry, _SHARD_KEYS, f"{index_path} shard {i}")
         if entry["n_tokens"] < 1 or any(Path(entry[k]).name != entry[k] for k in ("file", "docs_file")):
             raise DataError(f"{index_path} shard {i}: bad n_tokens or file name; {_REPREPARE}")
+    if index.get("tokenizer_dir", "tokenizer") != "tokenizer":
+        raise DataError(f"{index_path}: tokenizer_dir must be 'tokenizer'; {_REPREPARE}")
     totals = [sum(e[k] for e in index["shards"]) for k in ("n_tokens", "n_docs")]
     if totals != [index["n_tokens"], index["n_docs"]] or index["n_tokens"] < 1:
         raise DataError(f"{index_path}: shard totals {totals} disagree with n_tokens/n_docs; {_REPREPARE}")
@@ -246,6 +254,8 @@ class TokenDataset:
                  docs: list[np.ndarray]) -> None:
         self.path = path
         self.tokenizer: str = index["tokenizer"]
+        # the tokenizer's own files (data/tokenizer_dir.py); None in datasets made before them
+        self.tokenizer_dir: Path | None = path / index["tokenizer_dir"] if "tokenizer_dir" in index else None
         self.vocab_size: int = index["vocab_size"]
         self.eos_id: int = index["eos_id"]
         self.n_tokens: int = index["n_tokens"]

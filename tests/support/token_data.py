@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from mshpc.data.loader import BatchLoader
-from mshpc.data.prepare import prepare_corpus
+from mshpc.data.prepare import PrepareOptions, prepare_corpus
 from mshpc.data.shared_ring import MEMFD_NAME
 
 
@@ -22,7 +22,7 @@ def make_random_dataset(tmp_path: Path, val_fraction: float = 0.0) -> Path:
     for i in range(20):
         text = rng.integers(ord("a"), ord("z") + 1, size=int(rng.integers(50, 550)), dtype=np.uint8)
         (root / f"doc{i:02d}.txt").write_bytes(text.tobytes())
-    return prepare_corpus([root], tmp_path / "ds", shard_tokens=1000, val_fraction=val_fraction)
+    return prepare_corpus([root], tmp_path / "ds", PrepareOptions(shard_tokens=1000, val_fraction=val_fraction))
 
 
 def wait_until_full(loader: BatchLoader, depth: int, timeout_s: float = 120.0) -> None:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from mshpc.config import DataConfig
-from mshpc.data.prepare import _build, dataset_path, ensure_default_corpus, prepare_corpus
+from mshpc.data.prepare import PrepareOptions, _build, dataset_path, ensure_default_corpus, prepare_corpus
+from mshpc.data.records import Job, Reading
 from mshpc.data.shards import TokenDataset
+from mshpc.data.tokenize_pool import Task, tokenize_all
 from mshpc.data.tokenizer import ByteTokenizer
 from mshpc.errors import DataError
 
@@ -24,7 +27,7 @@ def test_empty_corpus_is_rejected_and_leaves_nothing(tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "blob.bin").write_bytes(b"\x00\x01")
     (tmp_path / "in" / "empty.txt").write_bytes(b"")
-    with pytest.raises(DataError, match="no text documents in"):
+    with pytest.raises(DataError, match="no documents in"):
         prepare_corpus([tmp_path / "in"], tmp_path / "out" / "ds")
     assert list((tmp_path / "out").iterdir()) == []  # the temp folder is gone too
 
@@ -42,8 +45,8 @@ def test_existing_output_is_not_overwritten(corpus: Path, tmp_path: Path) -> Non
 
 
 def test_preparation_is_deterministic(corpus: Path, tmp_path: Path) -> None:
-    a = json.loads((prepare_corpus([corpus], tmp_path / "a", shard_tokens=9) / "index.json").read_text())
-    b = json.loads((prepare_corpus([corpus], tmp_path / "b", shard_tokens=9) / "index.json").read_text())
+    a = json.loads((prepare_corpus([corpus], tmp_path / "a", PrepareOptions(shard_tokens=9)) / "index.json").read_text())
+    b = json.loads((prepare_corpus([corpus], tmp_path / "b", PrepareOptions(shard_tokens=9)) / "index.json").read_text())
     assert a == b
 
 
@@ -51,7 +54,9 @@ def test_racer_that_publishes_first_wins(corpus: Path, tmp_path: Path) -> None:
     out = prepare_corpus([corpus], tmp_path / "ds")
     before = (out / "index.json").read_bytes()
     # A second preparation that finds the target already published keeps it and discards its own.
-    assert _build([b"other text"], out, ByteTokenizer(), 100, "test") == out
+    task = Task(ByteTokenizer(), Reading(), np.dtype("<u2"), digests=False)
+    other = tokenize_all([Job("test", 1, 10, texts=("other text",))], task, 1)
+    assert _build(other, out, ByteTokenizer(), 100, "test") == out
     assert (out / "index.json").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "ds"]
 

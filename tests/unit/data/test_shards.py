@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mshpc.data.prepare import prepare_corpus
+from mshpc.data.prepare import PrepareOptions, prepare_corpus
 from mshpc.data.shards import TokenDataset
 from mshpc.errors import DataError
 
@@ -37,7 +37,7 @@ def test_round_trip_decodes_to_the_documents(corpus: Path, corpus_docs: list[byt
 
 def test_tiny_shards_form_the_same_stream(corpus: Path, tmp_path: Path) -> None:
     one = TokenDataset.open(prepare_corpus([corpus], tmp_path / "one"))
-    many = TokenDataset.open(prepare_corpus([corpus], tmp_path / "many", shard_tokens=7))
+    many = TokenDataset.open(prepare_corpus([corpus], tmp_path / "many", PrepareOptions(shard_tokens=7)))
     index = json.loads((tmp_path / "many" / "index.json").read_text())
     assert len(index["shards"]) == -(-one.n_tokens // 7)
     assert all(s["n_tokens"] == 7 for s in index["shards"][:-1])
@@ -56,7 +56,7 @@ def _flip_byte(path: Path, at: int) -> None:
 
 
 def test_corrupted_shard_fails_its_checksum(corpus: Path, tmp_path: Path) -> None:
-    out = prepare_corpus([corpus], tmp_path / "ds", shard_tokens=7)
+    out = prepare_corpus([corpus], tmp_path / "ds", PrepareOptions(shard_tokens=7))
     _flip_byte(out / "shard-00003.bin", 4)
     with pytest.raises(DataError, match=r"shard-00003\.bin: checksum mismatch .*re-run mshpc prepare"):
         TokenDataset.open(out)
@@ -72,7 +72,7 @@ def test_corrupted_doc_offsets_fail_their_checksum(corpus: Path, tmp_path: Path)
 
 
 def test_truncated_shard_is_rejected_without_verify(corpus: Path, tmp_path: Path) -> None:
-    out = prepare_corpus([corpus], tmp_path / "ds", shard_tokens=7)
+    out = prepare_corpus([corpus], tmp_path / "ds", PrepareOptions(shard_tokens=7))
     path = out / "shard-00001.bin"
     path.write_bytes(path.read_bytes()[:-2])
     with pytest.raises(DataError, match=r"shard-00001\.bin: 12 bytes, index says 7 tokens = 14 bytes"):
@@ -81,7 +81,7 @@ def test_truncated_shard_is_rejected_without_verify(corpus: Path, tmp_path: Path
 
 def test_a_shard_truncated_while_open_is_a_data_error_not_sigbus(corpus: Path, tmp_path: Path) -> None:
     # through a memory map this read would kill the process with SIGBUS (a "node fault")
-    ds = TokenDataset.open(prepare_corpus([corpus], tmp_path / "ds", shard_tokens=7))
+    ds = TokenDataset.open(prepare_corpus([corpus], tmp_path / "ds", PrepareOptions(shard_tokens=7)))
     before = ds.tokens(0, 20)
     for size in (0, 4):
         os.truncate(tmp_path / "ds" / "shard-00001.bin", size)
@@ -93,7 +93,7 @@ def test_a_shard_truncated_while_open_is_a_data_error_not_sigbus(corpus: Path, t
 
 
 def test_missing_shard_file_is_named(corpus: Path, tmp_path: Path) -> None:
-    out = prepare_corpus([corpus], tmp_path / "ds", shard_tokens=7)
+    out = prepare_corpus([corpus], tmp_path / "ds", PrepareOptions(shard_tokens=7))
     (out / "shard-00002.bin").unlink()
     with pytest.raises(DataError, match=r"shard-00002\.bin: missing"):
         TokenDataset.open(out)
