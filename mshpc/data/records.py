@@ -208,6 +208,10 @@ def _batch_jobs(batches: Iterator[tuple[Any, int]], path: Path, reading: Reading
         row += len(values)
 
 
+def _compressed_size(group: Any) -> int:
+    return sum(group.column(i).total_compressed_size for i in range(group.num_columns))
+
+
 def _parquet_jobs(path: Path, reading: Reading) -> Iterator[Job]:
     try:
         import pyarrow.parquet as pq
@@ -218,7 +222,7 @@ def _parquet_jobs(path: Path, reading: Reading) -> Iterator[Job]:
     except Exception as exc:  # pyarrow raises ArrowInvalid and OSError kinds for a file that is not Parquet
         raise DataError(f"input {path}: not a Parquet file ({exc})") from None
     _column(pf.schema_arrow.empty_table(), path, reading.text_field)
-    batches = ((pf.read_row_group(g, columns=[reading.text_field]), pf.metadata.row_group(g).total_compressed_size)
+    batches = ((pf.read_row_group(g, columns=[reading.text_field]), _compressed_size(pf.metadata.row_group(g)))
                for g in range(pf.num_row_groups))
     yield from _batch_jobs(batches, path, reading)
 
