@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mshpc.config import ModelConfig
+from mshpc.data.tokenizer import ByteTokenizer
 from mshpc.interop.hf_export import write_hf
 from mshpc.model.gpt import GPT
 
@@ -41,7 +42,7 @@ def measure(m: ModelConfig, tmp: Path) -> list[dict]:
     hf = None
     for rep in range(REPEATS):  # alternating, the best of each: the first writes pay a cold page cache
         t0 = time.perf_counter()
-        write_hf(tmp / f"ours{rep}", m, weights, "byte")
+        write_hf(tmp / f"ours{rep}", m, weights, ByteTokenizer())
         ours.append(time.perf_counter() - t0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -111,9 +111,29 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    """One source of a blend: a dataset folder of `mshpc prepare` or a Megatron .bin/.idx prefix,
+    drawn from in proportion to its weight (Megatron's --data-path weighting)."""
+
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class DataConfig:
-    path: str | None = None  # a folder made by `mshpc prepare`; None: the embedded stdlib corpus
-    tokenizer: str = "byte"  # "byte", or the path of a `tokenizers` BPE json file
+    # a folder made by `mshpc prepare`, or a Megatron .bin/.idx pair (its path prefix, as Megatron's
+    # --data-path names it); None: the embedded stdlib corpus (or data.sources)
+    path: str | None = None
+    # a blend: each source's windows drawn in proportion to its weight (normalized), a pure
+    # function of (seed, step, dp rank); replaces data.path
+    sources: tuple[SourceConfig, ...] = ()
+    # auto: the tokenizer the dataset was prepared with (kept in it). Or a tokenizer (as for mshpc
+    # prepare --tokenizer): it must be the data's, and names the one a Megatron .bin/.idx pair
+    # was made with (such a pair does not record it)
+    tokenizer: str = "auto"
+    # of a Megatron .bin/.idx source, the last fraction of its documents is its held-out split
+    # (Megatron's --split 969,30,1 is 0.031 here); mshpc datasets have their own val/ folder
+    indexed_val_fraction: float = 0.0
     cache_dir: str = ".cache/mshpc"  # where the embedded corpus is prepared on first use
     seed: int = 1234
     prefetch_batches: int = _min(1, 4)
@@ -294,6 +314,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}={value!r} must be a list (e.g. [{_describe(typing.get_args(tp)[0])}])")
         item = typing.get_args(tp)[0]
+        if dataclasses.is_dataclass(item):
+            return tuple(_build(item, v, f"{key}[{i}].") for i, v in enumerate(value))  # type: ignore[arg-type]
         return tuple(_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value))
     if isinstance(tp, types.UnionType) or origin is typing.Union:
         for arm in typing.get_args(tp):
@@ -340,7 +362,7 @@ def _unknown_key(key: str, valid: list[str]) -> ConfigError:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -565,6 +587,21 @@ def _check_diagnose(d: DiagnoseConfig) -> None:
             raise ConfigError(f"diagnose.{key}={value} must be between 0 and 1 (a fraction)")
 
 
+def _check_data(d: DataConfig) -> None:
+    if d.sources and d.path is not None:
+        raise ConfigError("data.path and data.sources are both set (a blend names its sources in data.sources; "
+                          "choose one)")
+    for i, src in enumerate(d.sources):
+        if not src.path:
+            raise ConfigError(f"data.sources[{i}].path is empty (a dataset folder or a Megatron .bin/.idx prefix)")
+        if not src.weight >= 0 or src.weight == float("inf"):
+            raise ConfigError(f"data.sources[{i}].weight={src.weight} must be a finite number >= 0")
+    if d.sources and sum(src.weight for src in d.sources) <= 0:
+        raise ConfigError("data.sources: every weight is 0 (give at least one source a weight > 0)")
+    if not 0 <= d.indexed_val_fraction < 1:
+        raise ConfigError(f"data.indexed_val_fraction={d.indexed_val_fraction} must be in [0, 1) (e.g. 0.01)")
+
+
 def _check_loggers(r: RunConfig) -> None:
     if "jsonl" not in r.loggers:
         raise ConfigError(f"run.loggers={list(r.loggers)} must include 'jsonl' (metrics.jsonl is what "
@@ -581,6 +618,7 @@ def validate(cfg: Config) -> Config:
     if cfg.data.per_node_reader and cfg.data.loader == "dali":
         raise ConfigError("data.per_node_reader=true reads with the torch reader into shared memory; "
                           "it does not combine with data.loader='dali' (choose 'auto' or 'torch')")
+    _check_data(cfg.data)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} must be <= optim.lr={cfg.optim.lr}")
     _check_diagnose(cfg.diagnose)

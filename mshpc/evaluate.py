@@ -18,8 +18,8 @@ from torch import nn
 
 from mshpc.batch import Batch
 from mshpc.config import Config
-from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
+from mshpc.data.sources import DataSources
 from mshpc.data.window_reader import WindowReader
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel import comm
@@ -138,15 +138,16 @@ class Evaluator:
         return total.item() / self._terms
 
     def close(self) -> None:
-        self.reader.dataset.close()
+        self.reader.close()
 
 
-def build_evaluator(cfg: Config, mesh: Mesh, engine: ZeroEngine, val: TokenDataset,
+def build_evaluator(cfg: Config, mesh: Mesh, engine: ZeroEngine, val: TokenDataset | DataSources,
                     device: torch.device, autocast: torch.dtype | None) -> Evaluator:
     """This rank's evaluator over the held-out dataset `val`. Collective over the pp group
     (its links) when pp > 1."""
-    sampler = SequenceSampler(val.n_tokens, cfg.model.seq_len, cfg.global_batch, cfg.data.seed, shuffle=False)
-    reader = WindowReader(val, sampler, cfg.parallel.dp, val.eos_id if cfg.data.doc_mask else None)
+    data = val if isinstance(val, DataSources) else DataSources.single(val)
+    sampler = data.sampler(cfg.model.seq_len, cfg.global_batch, cfg.data.seed, shuffle=False)
+    reader = data.reader(sampler, cfg.parallel.dp, cfg.data.doc_mask)
     cast = Autocast(device.type, autocast)
     loss = split_loss(cfg, mesh)
     score: ScoreFn

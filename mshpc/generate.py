@@ -19,7 +19,8 @@ from mshpc.checkpoint.manifest import MANIFEST_FILE
 from mshpc.checkpoint.model_copy import read_model_copy
 from mshpc.checkpoint.paths import checkpoint_root, committed_steps, latest_step, step_dir
 from mshpc.config import Config, load_config
-from mshpc.data.tokenizer import Tokenizer, build_tokenizer
+from mshpc.data.tokenizer import Tokenizer
+from mshpc.data.tokenizer_dir import run_tokenizer
 from mshpc.errors import CheckpointError, ConfigError
 from mshpc.model.attention import KVCache
 from mshpc.model.gpt import GPT
@@ -49,6 +50,12 @@ class SampleOptions:
 def find_checkpoint(path: Path) -> tuple[Path, Config]:
     """The checkpoint folder and run config for `path`: a run directory (its newest checkpoint),
     a checkpoints root, or one step folder (its run's config.yaml two levels up)."""
+    folder, cfg, _ = find_run_checkpoint(path)
+    return folder, cfg
+
+
+def find_run_checkpoint(path: Path) -> tuple[Path, Config, Path]:
+    """find_checkpoint's checkpoint folder and config, and the run directory."""
     if not path.exists():
         raise CheckpointError(f"{path} does not exist (pass a run directory or a checkpoint folder)")
     if (path / MANIFEST_FILE).exists():
@@ -56,7 +63,7 @@ def find_checkpoint(path: Path) -> tuple[Path, Config]:
         if not (run_dir / "config.yaml").exists():
             raise CheckpointError(f"{path}: no config.yaml in {run_dir} (pass the run directory, or a checkpoint "
                                   "under <run>/checkpoints/)")
-        return path, load_config(run_dir / "config.yaml")
+        return path, load_config(run_dir / "config.yaml"), run_dir
     run_dir = path if (path / "config.yaml").exists() else path.parent
     if not (run_dir / "config.yaml").exists():
         raise CheckpointError(f"{path}: neither a run directory (no config.yaml) nor a checkpoint (no {MANIFEST_FILE})")
@@ -66,7 +73,7 @@ def find_checkpoint(path: Path) -> tuple[Path, Config]:
     step = latest_step(root) if latest_step(root) is not None else (steps[-1] if steps else None)
     if step is None:
         raise CheckpointError(f"{root}: no checkpoint yet (set checkpoint.interval_steps and train)")
-    return step_dir(root, step), cfg
+    return step_dir(root, step), cfg, run_dir
 
 
 def load_model(folder: Path, cfg: Config) -> GPT:
@@ -133,10 +140,10 @@ def generate(path: Path, prompt: str, opts: SampleOptions) -> tuple[str, float]:
     if not prompt:
         raise ConfigError("--prompt is empty (give the text to continue)")
     opts.check()
-    folder, cfg = find_checkpoint(path)
-    tokenizer: Tokenizer = build_tokenizer(cfg.data.tokenizer)
+    folder, cfg, run_dir = find_run_checkpoint(path)
+    tokenizer: Tokenizer = run_tokenizer(run_dir, cfg.data.tokenizer)  # the one the run trained with
     model = load_model(folder, cfg)
-    ids = [int(i) for i in tokenizer.encode(prompt.encode())]
+    ids = [int(i) for i in tokenizer.encode(prompt)]
     start = time.perf_counter()
     new = decode(model, ids, opts, stop_id=tokenizer.eos_id, vocab=tokenizer.vocab_size)
     tokens_per_s = len(new) / (time.perf_counter() - start)

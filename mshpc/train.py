@@ -20,8 +20,8 @@ from mshpc.config import Config, TrainConfig, resolve_world
 from mshpc.data.loader import BatchLoader
 from mshpc.data.node_reader import ReaderScope
 from mshpc.data.pipeline import build_loader
-from mshpc.data.prepare import dataset_path, val_dataset_path
-from mshpc.data.shards import TokenDataset
+from mshpc.data.sources import DataSources, adopt_tokenizer, log_blend, open_sources, source_paths
+from mshpc.data.tokenizer_dir import describe, record_tokenizer
 from mshpc.diagnose.collector import build_collector
 from mshpc.diagnose.mfu import mfu, peak_tflops
 from mshpc.diagnose.timers import EVAL, phase
@@ -133,22 +133,25 @@ def warn_if_unfit(cfg: Config, rt: Runtime) -> None:
         log.warning(warning)
 
 
-def open_dataset(cfg: Config, info: DistInfo) -> TokenDataset:
-    """Rank 0 prepares the corpus if needed (once, not once per rank); the others wait."""
+def open_data(cfg: Config, info: DistInfo, fresh: bool) -> tuple[DataSources, list[tuple[Path, float]]]:
+    """The run's token sources. Rank 0 first prepares the embedded corpus if needed, adopts the
+    data's tokenizer (data/sources.py), keeps it in the run directory and checks it against the
+    model; the others wait for its verdict. Collective over the world."""
     error = None
     if info.rank == 0:
         try:
-            dataset_path(cfg.data)
+            tokenizer = adopt_tokenizer(cfg.data, source_paths(cfg.data))
+            if tokenizer.vocab_size > cfg.model.vocab_size:
+                raise ConfigError(
+                    f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                    f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= {tokenizer.vocab_size}")
+            record_tokenizer(tokenizer, run_path(cfg), fresh)
+            log.info("tokenizer: %s", describe(tokenizer))
         except MshpcError as exc:
             error = exc
-    comm.raise_if_any_failed(error, "preparing the dataset")
-    dataset = TokenDataset.open(dataset_path(cfg.data), verify=info.rank == 0)
-    if dataset.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-            f"vocabulary ({dataset.vocab_size}); set model.vocab_size >= {dataset.vocab_size}"
-        )
-    return dataset
+    comm.raise_if_any_failed(error, "opening the data")
+    paths = source_paths(cfg.data)
+    return open_sources(cfg.data, paths, "train", info.rank == 0, cfg.model.vocab_size), paths
 
 
 def train_step(
@@ -192,9 +195,11 @@ def compile_report(cfg: TrainConfig, first_step: bool, rank: int) -> dict[str, f
 
 def build_data(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, start_step: int) -> BatchLoader:
     """This rank's loader: every tp rank and pipeline stage of a dp replica reads its batch.
-    Collective over the world (the per-node reader's start-up)."""
-    dataset = open_dataset(cfg, info)
-    loader = build_loader(cfg.data, dataset, cfg.model.seq_len, cfg.global_batch, mesh.coords.dp,
+    Collective over the world (the tokenizer's verdict, the per-node reader's start-up)."""
+    data, paths = open_data(cfg, info, fresh=start_step == 0)
+    if info.rank == 0:
+        log_blend(data, paths, data.sampler(cfg.model.seq_len, cfg.global_batch, cfg.data.seed), cfg.train.steps)
+    loader = build_loader(cfg.data, data, cfg.model.seq_len, cfg.global_batch, mesh.coords.dp,
                           cfg.parallel.dp, start_step, rt.device, ReaderScope(node=info.node))
     if info.rank == 0:
         log.info("data loader: %s", loader.description)
@@ -218,7 +223,7 @@ def build_eval(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, engine: Zer
     build_data (rank 0 prepares the embedded corpus there). Collective over the pp group."""
     if cfg.eval.interval_steps == 0:
         return None
-    val = TokenDataset.open(val_dataset_path(cfg.data), verify=info.rank == 0)
+    val = open_sources(cfg.data, source_paths(cfg.data), "val", info.rank == 0, cfg.model.vocab_size)
     return build_evaluator(cfg, mesh, engine, val, rt.device, rt.autocast_dtype)
 
 

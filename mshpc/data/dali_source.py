@@ -49,7 +49,7 @@ def build_pipeline(windows: WindowReader, dp_rank: int, start_step: int, device:
     device_id = (torch.cuda.current_device() if device.index is None else device.index) if on_gpu else None
     pipe = Pipeline(batch_size=windows.local_batch, num_threads=threads, device_id=device_id,
                     prefetch_queue_depth=DALI_PREFETCH)
-    dtype = DALIDataType.UINT16 if windows.dataset.dtype.itemsize == 2 else DALIDataType.UINT32
+    dtype = DALIDataType.UINT16 if windows.dtype.itemsize == 2 else DALIDataType.UINT32
     with pipe:
         rows = fn.external_source(source=read, batch=True, batch_info=True, dtype=dtype, ndim=1)
         if on_gpu:

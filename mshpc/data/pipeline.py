@@ -11,9 +11,8 @@ from mshpc.config import DataConfig
 from mshpc.data.dali_source import DaliSource, dali_missing
 from mshpc.data.loader import BatchLoader, BatchSource, RankSource
 from mshpc.data.node_reader import ReaderScope, start_node_source
-from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
-from mshpc.data.window_reader import WindowReader
+from mshpc.data.sources import DataSources
 from mshpc.errors import ConfigError
 
 HOST = torch.device("cpu")  # the default: batches stay in host memory, moved to the device later
@@ -36,7 +35,7 @@ def choose_loader(cfg: DataConfig, missing: Callable[[], str | None] = dali_miss
     return "dali", "data.loader=auto and DALI is installed"
 
 
-def build_loader(cfg: DataConfig, dataset: TokenDataset, seq_len: int, global_batch: int,
+def build_loader(cfg: DataConfig, dataset: TokenDataset | DataSources, seq_len: int, global_batch: int,
                  dp_rank: int, dp_size: int, start_step: int,
                  device: torch.device = HOST,
                  scope: ReaderScope | None = None) -> BatchLoader:
@@ -44,8 +43,8 @@ def build_loader(cfg: DataConfig, dataset: TokenDataset, seq_len: int, global_ba
     host memory to be moved there. With `cfg.per_node_reader` it is collective over
     `scope.group` (every rank of it calls this), and `scope` says who shares a reader."""
     name, why = choose_loader(cfg)
-    sampler = SequenceSampler(dataset.n_tokens, seq_len, global_batch, cfg.seed)
-    windows = WindowReader(dataset, sampler, dp_size, dataset.eos_id if cfg.doc_mask else None)
+    data = dataset if isinstance(dataset, DataSources) else DataSources.single(dataset)
+    windows = data.reader(data.sampler(seq_len, global_batch, cfg.seed), dp_size, cfg.doc_mask)
     stop = threading.Event()
     source: BatchSource
     if name == "dali":

@@ -239,7 +239,7 @@ def ensure_default_corpus(cache_dir: Path) -> Path:
 def dataset_path(cfg: DataConfig) -> Path:
     """The dataset folder `cfg` names: `cfg.path`, or else the embedded corpus in `cfg.cache_dir`."""
     if cfg.path is None:
-        if cfg.tokenizer != "byte":
+        if cfg.tokenizer not in ("auto", "byte"):
             raise DataError(f"data.tokenizer={cfg.tokenizer!r} needs data.path: the embedded corpus is "
                             "byte-tokenized (make a dataset with mshpc prepare)")
         return ensure_default_corpus(Path(cfg.cache_dir))

@@ -18,7 +18,7 @@ class SequenceSampler:
     """
 
     def __init__(self, n_tokens: int, seq_len: int, global_batch: int, seed: int,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, key: tuple[int, ...] = ()) -> None:
         assert seq_len >= 1 and global_batch >= 1, (seq_len, global_batch)
         self.n_windows = (n_tokens - 1) // seq_len
         if self.n_windows < 1:
@@ -30,6 +30,7 @@ class SequenceSampler:
         self.global_batch = global_batch
         self.seed = seed
         self.shuffle = shuffle
+        self.key = key  # mixed into the seed: a blend's source number (data/blend.py)
         self._perms: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -38,7 +39,7 @@ class SequenceSampler:
             if len(self._perms) >= 2:
                 del self._perms[min(self._perms)]
             if self.shuffle:
-                rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+                rng = np.random.Generator(np.random.PCG64([self.seed, *self.key, epoch]))
                 self._perms[epoch] = rng.permutation(self.n_windows)
             else:
                 self._perms[epoch] = np.arange(self.n_windows)
@@ -50,12 +51,12 @@ class SequenceSampler:
 
     def windows(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """Window numbers (int64) of rank `dp_rank`'s contiguous chunk of the global batch of `step`."""
-        assert step >= 0 and dp_size >= 1 and 0 <= dp_rank < dp_size, (step, dp_rank, dp_size)
-        assert self.global_batch % dp_size == 0, (self.global_batch, dp_size)
-        local = self.global_batch // dp_size
-        g = step * self.global_batch + dp_rank * local + np.arange(local, dtype=np.int64)
+        return self.window_of(samples(step, dp_rank, dp_size, self.global_batch))
+
+    def window_of(self, g: np.ndarray) -> np.ndarray:
+        """Window numbers (int64) of global samples `g` (int64) of this stream."""
         epochs, slots = np.divmod(g, self.n_windows)
-        out = np.empty(local, dtype=np.int64)
+        out = np.empty(len(g), dtype=np.int64)
         for epoch in np.unique(epochs):
             mask = epochs == epoch
             out[mask] = self._perm(int(epoch))[slots[mask]]
@@ -64,3 +65,16 @@ class SequenceSampler:
     def starts(self, step: int, dp_rank: int, dp_size: int) -> np.ndarray:
         """Token start offsets (int64) of rank `dp_rank`'s local batch at `step`."""
         return self.windows(step, dp_rank, dp_size) * self.seq_len
+
+    def source_windows(self, step: int, dp_rank: int, dp_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, window) of each sequence of rank `dp_rank`'s batch: the one source is 0."""
+        windows = self.windows(step, dp_rank, dp_size)
+        return np.zeros(len(windows), dtype=np.int64), windows
+
+
+def samples(step: int, dp_rank: int, dp_size: int, global_batch: int) -> np.ndarray:
+    """Global sample numbers (int64) of rank `dp_rank`'s contiguous chunk of the batch of `step`."""
+    assert step >= 0 and dp_size >= 1 and 0 <= dp_rank < dp_size, (step, dp_rank, dp_size)
+    assert global_batch % dp_size == 0, (global_batch, dp_size)
+    local = global_batch // dp_size
+    return step * global_batch + dp_rank * local + np.arange(local, dtype=np.int64)

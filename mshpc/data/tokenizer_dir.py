@@ -123,3 +123,31 @@ def load_tokenizer_dir(folder: Path) -> Tokenizer:
         raise DataError(f"{folder / MANIFEST}: vocab_size/eos_id {manifest.get('vocab_size')}/"
                         f"{manifest.get('eos_id')} are not the tokenizer's {tokenizer.vocab_size}/{tokenizer.eos_id}")
     return tokenizer
+
+
+def record_tokenizer(tokenizer: Tokenizer, run_dir: Path, fresh: bool) -> Path:
+    """Keep `tokenizer` in the run directory (what generate and export read). A resumed run
+    (`fresh` False) must have trained with the same one; a fresh run replaces an old run's."""
+    dest = run_dir / TOKENIZER_DIR
+    if (dest / MANIFEST).is_file():
+        old = load_tokenizer_dir(dest)
+        if fingerprint(old) == fingerprint(tokenizer):
+            return dest
+        if not fresh:
+            raise DataError(f"{run_dir} trained with {describe(old)}, but its data now holds ids of "
+                            f"{describe(tokenizer)} (train on this data under a new run.name)")
+    if dest.exists():
+        trash = run_dir / f".{TOKENIZER_DIR}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(dest, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return save_tokenizer_dir(tokenizer, dest)
+
+
+def run_tokenizer(run_dir: Path, spec: str) -> Tokenizer:
+    """The tokenizer a run trained with: the one its directory keeps; for a run from before runs
+    kept one, data.tokenizer `spec` ("auto" was the byte tokenizer then)."""
+    if (run_dir / TOKENIZER_DIR / MANIFEST).is_file():
+        return load_tokenizer_dir(run_dir / TOKENIZER_DIR)
+    from mshpc.data.tokenizer import build_tokenizer
+
+    return build_tokenizer("byte" if spec == "auto" else spec)

@@ -19,6 +19,8 @@ from mshpc.checkpoint.manifest import MANIFEST_FILE
 from mshpc.checkpoint.model_copy import MODEL, check_model_copy, read_model_copy
 from mshpc.checkpoint.paths import checkpoint_root, latest_step, step_dir
 from mshpc.config import Config, ModelConfig, load_config
+from mshpc.data.tokenizer import Tokenizer
+from mshpc.data.tokenizer_dir import run_tokenizer
 from mshpc.errors import InteropError
 from mshpc.interop.hf_arch import hf_architecture, hf_config
 from mshpc.interop.hf_names import Weights, to_hf
@@ -83,10 +85,10 @@ def _fresh_dir(out_dir: Path) -> Path:
     return staging
 
 
-def write_hf(out_dir: Path, m: ModelConfig, weights: Weights, tokenizer: str,
+def write_hf(out_dir: Path, m: ModelConfig, weights: Weights, tokenizer: Tokenizer,
              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Write the whole weights `weights` of model `m`, and the tokenizer named by data.tokenizer
-    `tokenizer`, as a Hugging Face folder `out_dir` (new or empty); the files written."""
+    """Write the whole weights `weights` of model `m`, and the run's `tokenizer`, as a Hugging Face
+    folder `out_dir` (new or empty); the files written."""
     arch = hf_architecture(m)
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     tensors = to_hf(arch, m, weights)
@@ -108,7 +110,8 @@ def export_hf(path: Path, out_dir: Path, config: Path | None = None,
     folder = find_checkpoint(path, run_dir, cfg)
     check_model_copy(folder)
     weights = check_shapes(read_model_copy(folder), cfg.model, folder)
-    lines = write_hf(out_dir, cfg.model, weights, cfg.data.tokenizer, max_shard_bytes)
+    tokenizer = run_tokenizer(run_dir, cfg.data.tokenizer)  # the one the run trained with
+    lines = write_hf(out_dir, cfg.model, weights, tokenizer, max_shard_bytes)
     n_params = sum(t.numel() for t in weights.values())
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     return [f"exported {folder} ({n_params / 1e6:.1f}M parameters, {dtype}) as {arch} to {out_dir}", *lines]

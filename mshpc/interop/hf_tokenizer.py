@@ -3,7 +3,8 @@ ids the model was trained on.
 
 mshpc's byte tokenizer (data/tokenizer.py: byte b is id b, 256 ends a document) is GPT-2's
 byte-level BPE with no merges: every byte its own token, under GPT-2's byte -> printable
-character table, with `<|endoftext|>` added as id 256. A `tokenizers` BPE file is copied as it is.
+character table, with `<|endoftext|>` added as id 256. A Hugging Face tokenizer (the run keeps its
+files, data/tokenizer_dir.py) is copied with its own tokenizer_config.json.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mshpc.data.tokenizer import EOS_TOKENS, ByteTokenizer
+from mshpc.data.tokenizer import ByteTokenizer, Tokenizer
 
 BYTE_EOS = "<|endoftext|>"
 
@@ -45,34 +46,40 @@ def byte_tokenizer_json() -> dict[str, Any]:
                       "ignore_merges": False, "vocab": vocab, "merges": []}}
 
 
-def _bpe_eos(tokenizer: dict[str, Any]) -> tuple[str | None, int | None]:
-    """The end-of-document token data/tokenizer.py would pick from this tokenizer.json and its
-    id, or (None, None)."""
-    ids = {**tokenizer.get("model", {}).get("vocab", {}),
-           **{t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}}
-    found = next((t for t in EOS_TOKENS if t in ids), None)
-    return found, None if found is None else int(ids[found])
+def _hf_config(tokenizer: Tokenizer, max_len: int) -> dict[str, Any]:
+    """The tokenizer_config.json of a Hugging Face tokenizer: its own (so AutoTokenizer applies its
+    own rules, as on the folder it came from), else a plain fast tokenizer ending in its eos."""
+    path = tokenizer.files().get("tokenizer_config.json")
+    if path is not None:
+        config = json.loads(path.read_text())
+        if isinstance(config, dict):
+            return config
+    tokens = json.loads(tokenizer.files()["tokenizer.json"].read_text())
+    ids = {**tokens.get("model", {}).get("vocab", {}), **{t["content"]: t["id"] for t in tokens.get("added_tokens", [])}}
+    eos = next((t for t, i in ids.items() if i == tokenizer.eos_id), None)
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, "eos_token": eos,
+            "bos_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False}
 
 
-def write_tokenizer(spec: str, out_dir: Path, max_len: int) -> tuple[int | None, str]:
-    """Write the tokenizer named by data.tokenizer `spec` into `out_dir`; return its
-    end-of-document id (None if it has none of its own) and a line saying what was written."""
-    eos: str | None
-    eos_id: int | None
-    if spec == "byte":
-        tokenizer, eos, eos_id = byte_tokenizer_json(), BYTE_EOS, ByteTokenizer.eos_id
-        (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False) + "\n")
-        line = "tokenizer: mshpc's byte tokenizer as byte-level BPE without merges (tokenizer.json)"
-    elif Path(spec).is_file():
-        shutil.copyfile(spec, out_dir / "tokenizer.json")
-        tokenizer = json.loads(Path(spec).read_text())
-        eos, eos_id = _bpe_eos(tokenizer)
-        line = f"tokenizer: {spec} (copied as tokenizer.json)"
-        if eos is None:
+def write_tokenizer(tokenizer: Tokenizer, out_dir: Path, max_len: int) -> tuple[int | None, str]:
+    """Write the run's `tokenizer` into `out_dir` so that AutoTokenizer gives its ids; return its
+    end-of-document id (None where the tokenizer has no token of its own for it) and a line."""
+    if tokenizer.kind == "byte":
+        (out_dir / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), ensure_ascii=False) + "\n")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, "eos_token": BYTE_EOS,
+                  "bos_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False}
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return ByteTokenizer.eos_id, "tokenizer: mshpc's byte tokenizer as byte-level BPE without merges (tokenizer.json)"
+    if tokenizer.kind == "hf":
+        shutil.copyfile(tokenizer.files()["tokenizer.json"], out_dir / "tokenizer.json")
+        config = _hf_config(tokenizer, max_len)
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        own = config.get("eos_token") is not None or tokenizer.eos_id < tokenizer.vocab_size - 1
+        line = f"tokenizer: the run's ({tokenizer.name}; tokenizer.json, tokenizer_config.json)"
+        if not own:
             line += "; it has no end-of-text token, so mshpc's extra end-of-document id is unknown to it"
-    else:
-        return None, f"tokenizer: not exported ({spec} is not here); copy its tokenizer.json in by hand"
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, "eos_token": eos,
-              "bos_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return eos_id, line
+        return (tokenizer.eos_id if own else None), line
+    for name, path in tokenizer.files().items():
+        shutil.copyfile(path, out_dir / name)
+    return tokenizer.eos_id, (f"tokenizer: the run's {tokenizer.kind} file ({', '.join(tokenizer.files())}) copied; "
+                              "transformers has no loader for it as it is: convert it before AutoTokenizer")

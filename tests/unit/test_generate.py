@@ -136,7 +136,7 @@ def test_generate_from_a_run_directory_with_a_bpe_tokenizer(tmp_path):
     tok = build_tokenizer(cfg.data.tokenizer)
     opts = SampleOptions(max_new_tokens=8, greedy=True)
     text, tokens_per_s = generate(run, "hello world", opts)
-    prompt = tok.encode(b"hello world").tolist()
+    prompt = tok.encode("hello world").tolist()
     assert text == tok.decode(prompt + decode(m, prompt, opts, stop_id=tok.eos_id, vocab=tok.vocab_size))
     assert text.startswith(" hello world") and tokens_per_s > 0  # ByteLevel's prefix space
 

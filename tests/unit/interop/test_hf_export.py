@@ -18,6 +18,7 @@ from support.hf_models import (
     tokens,
 )
 
+from mshpc.data.tokenizer import ByteTokenizer
 from mshpc.errors import InteropError
 from mshpc.interop.hf_arch import hf_architecture
 from mshpc.interop.hf_export import write_hf
@@ -42,7 +43,7 @@ def _drawn(m, seed=0):
 def test_exported_model_computes_mshpc_logits(tmp_path, m, arch):
     model = _drawn(m)
     weights = {n: p.detach() for n, p in model.named_parameters()}
-    write_hf(tmp_path / "hf", m, weights, "byte")
+    write_hf(tmp_path / "hf", m, weights, ByteTokenizer())
     config = json.loads((tmp_path / "hf/config.json").read_text())
     assert config["architectures"] == [arch]
     idx = tokens(m)
@@ -52,7 +53,7 @@ def test_exported_model_computes_mshpc_logits(tmp_path, m, arch):
 def test_export_shards_above_the_size_and_writes_an_index(tmp_path):
     model = _drawn(NEOX_SERIAL)
     weights = {n: p.detach() for n, p in model.named_parameters()}
-    files = write_hf(tmp_path / "hf", NEOX_SERIAL, weights, "byte", max_shard_bytes=20_000)[0]
+    files = write_hf(tmp_path / "hf", NEOX_SERIAL, weights, ByteTokenizer(), max_shard_bytes=20_000)[0]
     index = json.loads((tmp_path / "hf/model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and "model-00001-of-" in files
@@ -64,13 +65,11 @@ def test_export_shards_above_the_size_and_writes_an_index(tmp_path):
 def test_byte_tokenizer_exports_the_ids_mshpc_trains_on(tmp_path):
     from transformers import AutoTokenizer
 
-    from mshpc.data.tokenizer import ByteTokenizer
-
     model = _drawn(NEOX_PARALLEL)
-    write_hf(tmp_path / "hf", NEOX_PARALLEL, {n: p.detach() for n, p in model.named_parameters()}, "byte")
+    write_hf(tmp_path / "hf", NEOX_PARALLEL, {n: p.detach() for n, p in model.named_parameters()}, ByteTokenizer())
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "def f(x):\n    return x ** 2  # héllo, wörld ✓"
-    assert tok(text)["input_ids"] == ByteTokenizer().encode(text.encode()).tolist()
+    assert tok(text)["input_ids"] == ByteTokenizer().encode(text).tolist()
     assert tok.eos_token_id == ByteTokenizer.eos_id
     assert tok.decode(tok(text)["input_ids"]) == text
     assert json.loads((tmp_path / "hf/config.json").read_text())["eos_token_id"] == ByteTokenizer.eos_id
@@ -95,7 +94,7 @@ def test_export_refuses_a_sliding_window_and_a_used_folder(tmp_path):
     (tmp_path / "hf/keep.txt").write_text("mine")
     model = GPT(NEOX_SERIAL)
     with pytest.raises(InteropError, match="not an empty folder"):
-        write_hf(tmp_path / "hf", NEOX_SERIAL, {n: p.detach() for n, p in model.named_parameters()}, "byte")
+        write_hf(tmp_path / "hf", NEOX_SERIAL, {n: p.detach() for n, p in model.named_parameters()}, ByteTokenizer())
     assert (tmp_path / "hf/keep.txt").read_text() == "mine"
 
 
