@@ -116,9 +116,10 @@ def main() -> None:
                              str(work / "tok"), "--workers", str(args.workers)])
         rates = {k: [mb / s for s in v] for k, v in seconds.items()}
         stats = paired(rates["mshpc"], rates["datasets"])
-        emit(record("prepare", "mb_per_s_vs_datasets_map", float(np.median(rates["mshpc"])), "MB/s",
-                    float(np.median(rates["datasets"])), corpus_mb=round(mb), workers=args.workers,
-                    vocab=args.vocab, load=load_average(), **stats))
+        line = record("prepare", "mb_per_s_vs_datasets_map", float(np.median(rates["mshpc"])), "MB/s",
+                      float(np.median(rates["datasets"])), corpus_mb=round(mb), workers=args.workers,
+                      vocab=args.vocab, load=load_average())
+        emit({**line, **stats})
         emit(record("prepare", f"peak_rss_{round(mb)}mb_vs_{round(mb / 10)}mb", max(peaks) / 2**20, "MiB",
                     small_peak / 2**20, workers=args.workers, load=load_average()))
     finally:
