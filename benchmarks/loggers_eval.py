@@ -228,14 +228,15 @@ def row_cpu_s(tmp: Path, loggers_set: str, rows: int = 300, idle_s: float = 10.0
     through `loggers_set` from this process: this process's (the loop's), the logger process's
     and W&B's service's per row, and theirs per second while no row comes."""
     os.environ.update(offline_env(tmp))
-    from mshpc.config import load_config
+    from mshpc.config import load_config, to_dict
     from mshpc.loggers.sinks import build_loggers
     from mshpc.run_dir import MetricsLog
 
     run_dir = tmp / f"rows-{loggers_set.replace(',', '-')}"
     run_dir.mkdir()
-    loggers = build_loggers(load_config(None, [f"run.loggers=[{loggers_set}]"]), run_dir,
-                            MetricsLog(run_dir / "metrics.jsonl", 0), 0)
+    cfg = load_config(None, [f"run.loggers=[{loggers_set}]"])
+    loggers = build_loggers(run_dir, MetricsLog(run_dir / "metrics.jsonl", 0), 0, run=cfg.run,
+                            config_record=to_dict(cfg))
     row = {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.7, "tokens_per_s": 3000.0, "step_time_s": 0.7, "mfu": 0.01,
            "tflops": 0.02, "data_wait_s": 1e-5, "ckpt_blocking_s": None, "ckpt_stage1_wait_s": None,
            "max_memory_gib": None}

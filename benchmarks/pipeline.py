@@ -50,7 +50,8 @@ def build(args: argparse.Namespace) -> dict:
             train=dataclasses.replace(base.train, micro_batch=args.micro_batch, grad_accum=args.micro_batches))
         torch.manual_seed(0)
         mesh = build_mesh(MeshShape(pp=2, dp=1, tp=1))
-        pipes[name] = (cfg, build_pipeline(cfg, mesh, torch.device("cpu"), None))
+        pipes[name] = (cfg, build_pipeline(mesh, torch.device("cpu"), None, model_cfg=cfg.model,
+                                                   parallel=cfg.parallel, train=cfg.train, optim=cfg.optim))
     return pipes
 
 
@@ -68,7 +69,7 @@ def time_schedules(pipes: dict, batch, rounds: int, per_round: int) -> dict[str,
             runner = pipe.runner
             waited, ran, start = runner.wait_s, runner.run_s, time.perf_counter()
             for _ in range(per_round):
-                pipeline_train_step(pipe, batch, cfg)
+                pipeline_train_step(pipe, batch, train=cfg.train, optim=cfg.optim, parallel=cfg.parallel)
             pipe.engine.wait_params()
             if r > 0:
                 s = samples[name]

@@ -117,7 +117,8 @@ def main() -> None:
         overrides = [*layout, f"train.cpu_threads={max(1, cores // ranks)}"]
         cfg = load_config(CONFIG, overrides)
         dev = cpu_spec(max(1, cores // ranks), cfg, busbw, copy)
-        predicted = step_time(cfg, layout_of(cfg), dev, gpus_per_node=cores).total_s
+        predicted = step_time(layout_of(cfg.parallel, cfg.train), dev, cores, model_cfg=cfg.model,
+                              parallel=cfg.parallel).total_s
         measured = measured_step_s(overrides, args.steps)
         print(json.dumps({
             "bench": "plan_vs_measured", "metric": f"step_time_predicted_vs_measured_{name}",

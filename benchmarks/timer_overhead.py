@@ -81,7 +81,8 @@ def worker(rank: int, store: str, run_dir: str, args: argparse.Namespace, conn) 
     mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))
     _, step_fn = build_model_step(cfg, mesh, rt)  # the train loop's own step
     loader = build_data(cfg, info, mesh, rt, 0)
-    diag = build_collector(cfg, Path(run_dir) / "bench", rank, "localhost", rt.device, 0, None)
+    diag = build_collector(Path(run_dir) / "bench", rank, "localhost", rt.device, 0, None, diagnose=cfg.diagnose,
+                           model_cfg=cfg.model, parallel=cfg.parallel)
     times = {True: [], False: []}
     step = 0
     for _ in range(2):  # warm-up, both ways

@@ -80,7 +80,8 @@ def build_steps(args: argparse.Namespace, mesh) -> tuple[dict, dict]:
         parallel = dataclasses.replace(base.parallel, dp=1, tp=2, tp_overlap=overlap, tp_overlap_chunks=chunks,
                                        tp_fused_block=fused)
         torch.manual_seed(0)
-        split = parallelize(GPT(base.model), mesh, dataclasses.replace(base, parallel=parallel))
+        split = parallelize(GPT(base.model), mesh, model_cfg=base.model, parallel=parallel, train=base.train,
+                            optim=base.optim)
         steps[name] = (train_step(split, batch, base.optim.grad_clip), split.engine.wait_params)
     params = sum(p.numel() for p in GPT(base.model).parameters())
     facts = {"params": params, "tokens_per_step": args.micro_batch * args.seq_len,

@@ -252,9 +252,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if nproc > 1:
             if cfg.parallel.layout == "manual":  # auto fits any world, or says why in the ranks
                 resolve_world(cfg, nproc)  # fail here, before starting ranks that would all fail
+            from mshpc.checkpoint.paths import checkpoint_root
             from mshpc.launch.supervisor import supervise_local
+            from mshpc.run_dir import run_path
 
-            return supervise_local(cfg, ["train", args.config, *_set_args(args)], nproc)
+            run_dir = run_path(cfg.run)
+            return supervise_local(["train", args.config, *_set_args(args)], nproc, supervisor=cfg.supervisor,
+                                   spare_nodes=cfg.train.spare_nodes, run_dir=run_dir,
+                                   checkpoints=checkpoint_root(cfg.checkpoint, run_dir))
     elif args.nproc is not None and args.nproc != env.world_size:
         raise LaunchError(f"--nproc={args.nproc} but the {env.launcher} launcher started {env.world_size} ranks")
     from mshpc.train import train
@@ -390,7 +395,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set)
     dev = device_spec(args.gpu, args.intra_bw, args.inter_bw, args.efficiency)
-    predictions = plan(cfg, args.gpus, dev, args.gpus_per_node)
+    predictions = plan(args.gpus, dev, args.gpus_per_node, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train)
     print(format_json(predictions) if args.json else format_table(predictions, dev, args.top))
     return 0
 

@@ -1,6 +1,7 @@
 """The config tree: frozen dataclasses, strict YAML loading, dotted overrides, validation.
 
-Every component receives its own section. Unknown keys, wrong types and impossible
+Every component receives its own section(s) as keyword arguments, never the whole `Config`
+(tests/unit/test_config_sections.py); only the entry points (train.py, cli.py) hold it whole. Unknown keys, wrong types and impossible
 combinations raise a one-line `ConfigError` naming the key and the valid choices.
 """
 
@@ -22,26 +23,27 @@ import yaml
 from mshpc.errors import ConfigError
 
 
-def _min(value: float, default: Any) -> Any:
-    """A field whose value must be >= `value` (checked by `validate`)."""
-    return field(default=default, metadata={"min": value})
+def at_least(bound: float, *, default: Any) -> Any:
+    """A field whose value must be >= `bound` (checked by `validate`); `default` is its value
+    when the YAML leaves it out."""
+    return field(default=default, metadata={"min": bound})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = _min(2, 257)  # byte tokenizer: 256 bytes + end-of-document
-    seq_len: int = _min(1, 256)
-    n_layer: int = _min(1, 4)
-    n_head: int = _min(1, 4)
-    d_model: int = _min(2, 256)
-    mlp_ratio: int = _min(1, 4)
+    vocab_size: int = at_least(2, default=257)  # byte tokenizer: 256 bytes + end-of-document
+    seq_len: int = at_least(1, default=256)
+    n_layer: int = at_least(1, default=4)
+    n_head: int = at_least(1, default=4)
+    d_model: int = at_least(2, default=256)
+    mlp_ratio: int = at_least(1, default=4)
     norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
     parallel_block: bool = False  # MegaScale/PaLM: attn and MLP from one normed input, summed
     sliding_window: int | None = None  # each token sees at most the previous W tokens
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
-    dropout: float = _min(0.0, 0.0)
+    dropout: float = at_least(0.0, default=0.0)
     init_std: float = 0.02
     # csrc/ kernels (fused add+norm, bias+GeLU, RoPE, multi-tensor optimizer step): auto uses them
     # where they build and otherwise the pure-torch references; on fails if they cannot build
@@ -50,10 +52,10 @@ class ModelConfig:
     # gelu: d -> ffn -> d with GeLU (GPT-2, GPT-NeoX); swiglu: silu(x W_gate) * (x W_up) -> W_down
     # (Shazeer 2020; Llama), three matrices
     mlp: Literal["gelu", "swiglu"] = "gelu"
-    ffn_dim: int | None = _min(1, None)  # the MLP's hidden width; None: mlp_ratio * d_model
+    ffn_dim: int | None = at_least(1, default=None)  # the MLP's hidden width; None: mlp_ratio * d_model
     # grouped-query attention (Ainslie et al. 2023): key/value heads, dividing n_head; 1 is
     # multi-query attention; None: n_head (plain multi-head attention)
-    n_kv_head: int | None = _min(1, None)
+    n_kv_head: int | None = at_least(1, default=None)
 
     @property
     def ffn_width(self) -> int:
@@ -68,10 +70,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = _min(1, 1)
-    tp: int = _min(1, 1)
-    pp: int = _min(1, 1)
-    virtual_stages: int = _min(1, 1)
+    dp: int = at_least(1, default=1)
+    tp: int = at_least(1, default=1)
+    pp: int = at_least(1, default=1)
+    virtual_stages: int = at_least(1, default=1)
     dp_overlap: bool = True  # reduce-scatter during backward, all-gather during the next forward
     # MiB of fp32 gradients per bucket (one reduce-scatter, one all-gather), DDP's default;
     # smaller buckets start communicating earlier in backward, at more per-collective overhead
@@ -82,7 +84,7 @@ class ParallelConfig:
     # tp > 1 runs sequence parallelism (Korthikanti et al. 2022); with overlap its all-gathers and
     # reduce-scatters go in this many chunks along the sequence, each overlapping a GEMM
     tp_overlap: bool = True
-    tp_overlap_chunks: int = _min(1, 2)
+    tp_overlap_chunks: int = at_least(1, default=2)
     # the parallel block (model.parallel_block) under tp > 1 shares one all-gather between qkv and
     # mlp.fc and reduce-scatters the sum of its two outputs once; false: Megatron's 2 + 2 per layer
     tp_fused_block: bool = True
@@ -96,18 +98,22 @@ class ParallelConfig:
     # the job gets, at this config's global batch (mshpc/plan/auto_layout.py)
     layout: Literal["manual", "auto"] = "manual"
 
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
 
 @dataclass(frozen=True)
 class OptimConfig:
     name: Literal["adamw", "lamb"] = "adamw"
-    lr: float = _min(0.0, 3e-4)
-    min_lr: float = _min(0.0, 3e-5)
-    warmup_steps: int = _min(0, 10)
-    weight_decay: float = _min(0.0, 0.1)
+    lr: float = at_least(0.0, default=3e-4)
+    min_lr: float = at_least(0.0, default=3e-5)
+    warmup_steps: int = at_least(0, default=10)
+    weight_decay: float = at_least(0.0, default=0.1)
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    grad_clip: float = _min(0.0, 1.0)  # max global grad norm; 0 turns clipping off
+    grad_clip: float = at_least(0.0, default=1.0)  # max global grad norm; 0 turns clipping off
 
 
 @dataclass(frozen=True)
@@ -136,38 +142,38 @@ class DataConfig:
     indexed_val_fraction: float = 0.0
     cache_dir: str = ".cache/mshpc"  # where the embedded corpus is prepared on first use
     seed: int = 1234
-    prefetch_batches: int = _min(1, 4)
+    prefetch_batches: int = at_least(1, default=4)
     loader: Literal["auto", "torch", "dali"] = "auto"  # auto: DALI where it is installed, else torch
     # one rank per node reads and prepares every local rank's batches into shared memory
     per_node_reader: bool = False
     doc_mask: bool = False  # attention stays inside each document of a packed sequence
-    dali_threads: int = _min(1, 2)  # DALI's CPU worker threads per rank
+    dali_threads: int = at_least(1, default=2)  # DALI's CPU worker threads per rank
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    interval_steps: int = _min(0, 0)  # save every N steps (and at the end); 0 turns saving off
-    keep: int = _min(1, 3)  # committed checkpoints kept; older ones go after a new commit
+    interval_steps: int = at_least(0, default=0)  # save every N steps (and at the end); 0 turns saving off
+    keep: int = at_least(1, default=3)  # committed checkpoints kept; older ones go after a new commit
     dir: str | None = None  # None: <run dir>/checkpoints
     async_save: bool = True  # copy beside the next forward/backward, write in the background
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _min(1, 100)
-    micro_batch: int = _min(1, 8)
-    grad_accum: int = _min(1, 1)
+    steps: int = at_least(1, default=100)
+    micro_batch: int = at_least(1, default=8)
+    grad_accum: int = at_least(1, default=1)
     seed: int = 1234
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    cpu_threads: int = _min(0, 0)  # torch threads per rank; 0: cores / local ranks
+    cpu_threads: int = at_least(0, default=0)  # torch threads per rank; 0: cores / local ranks
     peak_tflops: float | None = None  # device peak for MFU; None: from the device table
     resume: str = "auto"  # "auto": latest good checkpoint if any; "never"; or a step-* folder
     # a Hugging Face folder (Llama or GPT-NeoX, safetensors; `mshpc import` writes a config for it)
     # whose weights replace the initial draw; a checkpoint that train.resume finds still wins
     init_from: str | None = None
     # nodes of the allocation (local: slots) held back to replace an evicted one
-    spare_nodes: int = _min(0, 0)
+    spare_nodes: int = at_least(0, default=0)
     # torch.compile each transformer block (after tp and recomputation, before ZeRO); the first
     # step's compile time is logged and lands in its row as compile_s. On CUDA,
     # model.fused_kernels=auto then runs the pure-torch operators, which inductor fuses faster
@@ -178,7 +184,7 @@ class TrainConfig:
 class RunConfig:
     name: str = "run"
     out_dir: str = "runs"
-    log_interval_steps: int = _min(1, 1)
+    log_interval_steps: int = at_least(1, default=1)
     progress: Literal["auto", "bar", "lines", "none"] = "auto"  # auto: a bar on a TTY
     # where rank 0's rows (loss, lr, grad norm, tokens/s, MFU, validation, checkpoint times) and
     # events go: jsonl (metrics.jsonl, always: diagnose and resume read it), tensorboard
@@ -190,17 +196,17 @@ class RunConfig:
     # 19, for every thread of rank 0's logger process and of W&B's service process, applied once
     # they have started): they then take a core from the ranks only when one is idle; 0 runs
     # them at the loop's priority
-    logger_nice_increment: int = _min(0, 10)
+    logger_nice_increment: int = at_least(0, default=10)
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     # validation loss on the held-out split (<dataset>/val: mshpc prepare --val-fraction; the
     # embedded corpus has one) after every N-th step; 0 turns it off
-    interval_steps: int = _min(0, 0)
+    interval_steps: int = at_least(0, default=0)
     # global batches per evaluation: the split's first batches x global_batch windows, in order,
     # the same ones every time (so the curve compares like with like)
-    batches: int = _min(1, 4)
+    batches: int = at_least(1, default=4)
 
 
 @dataclass(frozen=True)
@@ -209,7 +215,7 @@ class SlurmConfig:
     # default: NCCL may catch it.
     preempt_signal: Literal["USR2", "USR1"] = "USR2"
     # a requeue loop stops after this many consecutive failures that left no newer checkpoint
-    max_failures_without_progress: int = _min(0, 3)
+    max_failures_without_progress: int = at_least(0, default=3)
 
 
 @dataclass(frozen=True)
@@ -217,28 +223,28 @@ class PreflightConfig:
     # a YAML of the shape of mshpc/preflight/thresholds.yaml, merged over the shipped limits
     thresholds: str | None = None
     burn_s: float | None = None  # sustained burn per device; None: the level's (GPU 0/30/600 s, CPU 0/2/20 s)
-    pairwise_max_nodes: int = _min(2, 32)  # every node pair up to this many nodes; above, bisections
-    bisections: int = _min(1, 4)  # random half/half pairings of the nodes when there are more
-    timeout_s: float = _min(1.0, 300.0)  # a collective that takes longer fails the run, not hangs
+    pairwise_max_nodes: int = at_least(2, default=32)  # every node pair up to this many nodes; above, bisections
+    bisections: int = at_least(1, default=4)  # random half/half pairings of the nodes when there are more
+    timeout_s: float = at_least(1.0, default=300.0)  # a collective that takes longer fails the run, not hangs
 
 
 @dataclass(frozen=True)
 class DiagnoseConfig:
     timers: bool = True  # always-on phase timers -> <run dir>/timings/rank-N.jsonl
-    flush_interval_s: float = _min(0.0, 2.0)  # how often the timings thread flushes its file
+    flush_interval_s: float = at_least(0.0, default=2.0)  # how often the timings thread flushes its file
     # a rank is a straggler while the rolling median of its relative score (the median rank's
     # compute or data-wait time over its own) stays below this: 0.9 = 11% slower than the median
     straggler_threshold: float = 0.9
-    straggler_window_steps: int = _min(1, 10)  # the rolling median's window
-    straggler_history_steps: int = _min(2, 200)  # a rank's own history, for its individual score
+    straggler_window_steps: int = at_least(1, default=10)  # the rolling median's window
+    straggler_history_steps: int = at_least(2, default=200)  # a rank's own history, for its individual score
     # phase times under this fraction of the median step count as this fraction (jitter in an
     # almost empty phase is not slowness)
-    straggler_floor: float = _min(0.0, 0.05)
-    straggler_check_interval_steps: int = _min(0, 10)  # rank 0 reads every rank's watch/ stream this often; 0: never (and no stream written)
+    straggler_floor: float = at_least(0.0, default=0.05)
+    straggler_check_interval_steps: int = at_least(0, default=10)  # rank 0 reads every rank's watch/ stream this often; 0: never (and no stream written)
     # ranks that share one watch/ file (rank // this; a node's GPUs, so that each file is written from
     # one node): rank 0's check reads world / this files, not one per rank
-    watch_ranks_per_file: int = _min(1, 8)
-    mfu_window_steps: int = _min(1, 20)  # rolling median of achieved TFLOP/s ...
+    watch_ranks_per_file: int = at_least(1, default=8)
+    mfu_window_steps: int = at_least(1, default=20)  # rolling median of achieved TFLOP/s ...
     mfu_decline: float = 0.1  # ... an event when it falls this fraction below the run's best
 
 
@@ -246,19 +252,19 @@ class DiagnoseConfig:
 class SupervisorConfig:
     """The supervisor's knobs (mshpc/launch/supervisor.py): heartbeats, timeouts, restarts."""
 
-    heartbeat_interval_s: float = _min(0.01, 1.0)  # each rank's side thread reports this often
+    heartbeat_interval_s: float = at_least(0.01, default=1.0)  # each rank's side thread reports this often
     # A phase (data, step, checkpoint) hangs when it lasts longer than
     # max(floor, timeout_k x its median duration so far); before 3 samples, the floor alone.
-    timeout_k: float = _min(1.0, 10.0)
-    timeout_floor_s: float = _min(0.1, 60.0)
-    checkpoint_timeout_s: float = _min(0.1, 600.0)  # the checkpoint, eval and compile phases' floor: a long save, validation or compilation is no hang
-    setup_timeout_s: float = _min(0.1, 900.0)  # start-up: imports, rendezvous, resume
-    max_restarts: int = _min(0, 3)  # restarts within one allocation (or local run) before giving up
-    stop_grace_s: float = _min(0.0, 10.0)  # SIGTERM to every rank, SIGKILL after this
-    evict_after: int = _min(1, 2)  # failures blamed on one node before it is evicted
+    timeout_k: float = at_least(1.0, default=10.0)
+    timeout_floor_s: float = at_least(0.1, default=60.0)
+    checkpoint_timeout_s: float = at_least(0.1, default=600.0)  # the checkpoint, eval and compile phases' floor: a long save, validation or compilation is no hang
+    setup_timeout_s: float = at_least(0.1, default=900.0)  # start-up: imports, rendezvous, resume
+    max_restarts: int = at_least(0, default=3)  # restarts within one allocation (or local run) before giving up
+    stop_grace_s: float = at_least(0.0, default=10.0)  # SIGTERM to every rank, SIGKILL after this
+    evict_after: int = at_least(1, default=2)  # failures blamed on one node before it is evicted
     drain: bool = False  # admin: also `scontrol update State=DRAIN` an evicted node
     loss_limit: float | None = None  # a loss above this counts as exploding; NaN/Inf always does
-    ranks_per_slot: int = _min(1, 1)  # local runs: ranks per simulated node ("slot")
+    ranks_per_slot: int = at_least(1, default=1)  # local runs: ranks per simulated node ("slot")
     # Heartbeats per node (launch/node_relay.py): the ranks of a node report to one relay process over
     # a Unix socket, and one connection per node carries them all, beats batched; off: every rank
     # connects to the supervisor itself (as before issue #20; also what a rank falls back to when
@@ -283,12 +289,17 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.dp * self.parallel.tp * self.parallel.pp
+        return self.parallel.world_size
 
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step across all data-parallel ranks."""
-        return self.train.micro_batch * self.train.grad_accum * self.parallel.dp
+        return global_batch(self.train, self.parallel)
+
+
+def global_batch(train: TrainConfig, parallel: ParallelConfig) -> int:
+    """Sequences per optimizer step across all data-parallel ranks."""
+    return train.micro_batch * train.grad_accum * parallel.dp
 
 
 # ---------------------------------------------------------------- building from plain data
@@ -536,8 +547,10 @@ def _check_model(m: ModelConfig) -> None:
         )
 
 
-def _check_parallel(cfg: Config) -> None:
-    p, m = cfg.parallel, cfg.model
+def check_layout(*, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig) -> None:
+    """Whether the engine can run `model` split as `parallel` says (a ConfigError naming the
+    setting and the choices if not); `mshpc plan`'s automatic layout asks it of each candidate."""
+    p, m = parallel, model
     if m.n_head % p.tp:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.n_head={m.n_head} (choose {_divisors(m.n_head)})"
@@ -550,7 +563,7 @@ def _check_parallel(cfg: Config) -> None:
             f"parallel.tp={p.tp} and model.n_kv_head={kv}: one must divide the other (kv heads are "
             f"split over tp, or replicated when fewer; choose tp among {_divisors(kv)} or a multiple of {kv})"
         )
-    if kv < p.tp and cfg.optim.name == "lamb":
+    if kv < p.tp and optim.name == "lamb":
         # LAMB's per-weight trust ratio would count each replicated kv head once per copy
         raise ConfigError(f"optim.name='lamb' with model.n_kv_head={kv} < parallel.tp={p.tp} (replicated kv "
                           f"heads) is not available (choose optim.name='adamw', or parallel.tp <= {kv})")
@@ -573,8 +586,8 @@ def _check_parallel(cfg: Config) -> None:
     if p.virtual_stages > 1 and p.pp == 1:
         raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.pp > 1 "
                           "(choose virtual_stages 1, or pp >= 2)")
-    if p.virtual_stages > 1 and cfg.train.grad_accum % p.pp:
-        raise ConfigError(f"interleaved 1F1B needs train.grad_accum={cfg.train.grad_accum} divisible by "
+    if p.virtual_stages > 1 and train.grad_accum % p.pp:
+        raise ConfigError(f"interleaved 1F1B needs train.grad_accum={train.grad_accum} divisible by "
                           f"parallel.pp={p.pp} (choose a multiple of {p.pp}, or virtual_stages 1)")
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (MiB of fp32 gradients per bucket)")
@@ -614,7 +627,7 @@ def validate(cfg: Config) -> Config:
     """Check every value and combination; return the config unchanged."""
     _check_minimums(cfg, "")
     _check_model(cfg.model)
-    _check_parallel(cfg)
+    check_layout(model=cfg.model, parallel=cfg.parallel, train=cfg.train, optim=cfg.optim)
     if cfg.data.per_node_reader and cfg.data.loader == "dali":
         raise ConfigError("data.per_node_reader=true reads with the torch reader into shared memory; "
                           "it does not combine with data.loader='dali' (choose 'auto' or 'torch')")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mshpc.batch import Batch
-from mshpc.config import Config
+from mshpc.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig, global_batch
 from mshpc.data.shards import TokenDataset
 from mshpc.data.sources import DataSources
 from mshpc.data.window_reader import WindowReader
@@ -34,12 +34,12 @@ from mshpc.parallel.zero import ZeroEngine
 ScoreFn = Callable[[list[Batch]], torch.Tensor]  # micro-batches -> sum of their mean losses (0 off the last stage)
 
 
-def split_loss(cfg: Config, mesh: Mesh) -> LossFn:
+def split_loss(vocab_size: int, mesh: Mesh) -> LossFn:
     """The loss of the split model's logits: vocab-parallel under tp, the rank's vocabulary rows
     cut as apply_tp cuts the embedding (chunk_bounds of vocab_size)."""
     if mesh.shape.tp == 1:
         return loss_fn
-    start = chunk_bounds(cfg.model.vocab_size, mesh.shape.tp)[mesh.coords.tp][0]
+    start = chunk_bounds(vocab_size, mesh.shape.tp)[mesh.coords.tp][0]
     return functools.partial(vocab_parallel_cross_entropy, vocab_start=start, group=mesh.tp)
 
 
@@ -104,19 +104,22 @@ class PipeForward:
 class Evaluator:
     """Built by `build_evaluator`; `evaluate()` is collective over the world."""
 
-    def __init__(self, cfg: Config, reader: WindowReader, dp_rank: int, engine: ZeroEngine,
-                 score: ScoreFn, device: torch.device) -> None:
-        self.cfg, self.reader, self.dp_rank = cfg, reader, dp_rank
+    def __init__(self, reader: WindowReader, dp_rank: int, engine: ZeroEngine, score: ScoreFn,
+                 device: torch.device, *, eval_cfg: EvalConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+        self.reader, self.dp_rank = reader, dp_rank
         self.engine, self.score, self.device = engine, score, device
-        micros = cfg.train.grad_accum  # micro-batches per dp rank and batch
+        self.interval_steps, self.batches, self.micro_batch = eval_cfg.interval_steps, eval_cfg.batches, train.micro_batch
+        # pp: only last stages hold a loss, so over the world; else every rank of a dp group
+        # has the same tp-reduced loss, so over the dp group
+        self._group = None if parallel.pp > 1 else engine.group
+        micros = train.grad_accum  # micro-batches per dp rank and batch
         # losses summed over: batches x micro-batches x dp ranks (x tp ranks on the last pp
         # stage, where the world all-reduce adds each tp rank's copy of the loss)
-        self._terms = cfg.eval.batches * micros * cfg.parallel.dp * (cfg.parallel.tp if cfg.parallel.pp > 1 else 1)
+        self._terms = eval_cfg.batches * micros * parallel.dp * (parallel.tp if parallel.pp > 1 else 1)
 
     def due(self, steps_done: int) -> bool:
         """After the step that made it `steps_done` steps: every eval.interval_steps-th."""
-        interval = self.cfg.eval.interval_steps
-        return interval > 0 and steps_done % interval == 0
+        return self.interval_steps > 0 and steps_done % self.interval_steps == 0
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -127,37 +130,36 @@ class Evaluator:
         model.eval()  # no dropout
         try:
             total = torch.zeros((), device=self.device)
-            for b in range(self.cfg.eval.batches):
+            for b in range(self.batches):
                 batch = self.reader.batch(b, self.dp_rank).to(self.device)
-                total += self.score(batch.split(self.cfg.train.micro_batch))
+                total += self.score(batch.split(self.micro_batch))
         finally:
             model.train(was_training)
-        # pp: only last stages hold a loss, so over the world; else every rank of a dp group
-        # has the same tp-reduced loss, so over the dp group
-        comm.all_reduce(total, group=None if self.cfg.parallel.pp > 1 else self.engine.group)
+        comm.all_reduce(total, group=self._group)
         return total.item() / self._terms
 
     def close(self) -> None:
         self.reader.close()
 
 
-def build_evaluator(cfg: Config, mesh: Mesh, engine: ZeroEngine, val: TokenDataset | DataSources,
-                    device: torch.device, autocast: torch.dtype | None) -> Evaluator:
+def build_evaluator(mesh: Mesh, engine: ZeroEngine, val: TokenDataset | DataSources, device: torch.device,
+                    autocast: torch.dtype | None, *, eval_cfg: EvalConfig, model_cfg: ModelConfig,
+                    parallel: ParallelConfig, train: TrainConfig, data: DataConfig) -> Evaluator:
     """This rank's evaluator over the held-out dataset `val`. Collective over the pp group
     (its links) when pp > 1."""
-    data = val if isinstance(val, DataSources) else DataSources.single(val)
-    sampler = data.sampler(cfg.model.seq_len, cfg.global_batch, cfg.data.seed, shuffle=False)
-    reader = data.reader(sampler, cfg.parallel.dp, cfg.data.doc_mask)
+    sources = val if isinstance(val, DataSources) else DataSources.single(val)
+    sampler = sources.sampler(model_cfg.seq_len, global_batch(train, parallel), data.seed, shuffle=False)
+    reader = sources.reader(sampler, parallel.dp, data.doc_mask)
     cast = Autocast(device.type, autocast)
-    loss = split_loss(cfg, mesh)
+    loss = split_loss(model_cfg.vocab_size, mesh)
     score: ScoreFn
-    if cfg.parallel.pp == 1:
+    if parallel.pp == 1:
         score = whole_model_score(engine.model, loss, cast)
     else:
-        shape = pipe_shape(cfg)
-        links = build_links(mesh, cfg.parallel.virtual_stages)  # its own: never queued behind training's
-        act_shape = (cfg.train.micro_batch, cfg.model.seq_len // cfg.parallel.tp, cfg.model.d_model)
+        shape = pipe_shape(parallel, train)
+        links = build_links(mesh, parallel.virtual_stages)  # its own: never queued behind training's
+        act_shape = (train.micro_batch, model_cfg.seq_len // parallel.tp, model_cfg.d_model)
         dtype = next(engine.model.parameters()).dtype
         chunks: list[nn.Module] = list(stage_chunks(engine.model, shape, mesh.coords.pp))  # type: ignore[arg-type]
         score = PipeForward(chunks, shape, mesh.coords.pp, links.ranks, links.groups, act_shape, dtype, loss, cast)
-    return Evaluator(cfg, reader, mesh.coords.dp, engine, score, device)
+    return Evaluator(reader, mesh.coords.dp, engine, score, device, eval_cfg=eval_cfg, parallel=parallel, train=train)

@@ -18,7 +18,7 @@ import torch
 from mshpc.checkpoint.manifest import MANIFEST_FILE
 from mshpc.checkpoint.model_copy import read_model_copy
 from mshpc.checkpoint.paths import checkpoint_root, committed_steps, latest_step, step_dir
-from mshpc.config import Config, load_config
+from mshpc.config import Config, ModelConfig, load_config
 from mshpc.data.tokenizer import Tokenizer
 from mshpc.data.tokenizer_dir import run_tokenizer
 from mshpc.errors import CheckpointError, ConfigError
@@ -68,7 +68,7 @@ def find_run_checkpoint(path: Path) -> tuple[Path, Config, Path]:
     if not (run_dir / "config.yaml").exists():
         raise CheckpointError(f"{path}: neither a run directory (no config.yaml) nor a checkpoint (no {MANIFEST_FILE})")
     cfg = load_config(run_dir / "config.yaml")
-    root = path if run_dir != path else checkpoint_root(cfg, run_dir)
+    root = path if run_dir != path else checkpoint_root(cfg.checkpoint, run_dir)
     steps = committed_steps(root)
     step = latest_step(root) if latest_step(root) is not None else (steps[-1] if steps else None)
     if step is None:
@@ -76,10 +76,10 @@ def find_run_checkpoint(path: Path) -> tuple[Path, Config, Path]:
     return step_dir(root, step), cfg, run_dir
 
 
-def load_model(folder: Path, cfg: Config) -> GPT:
-    """The plain GPT of `cfg` with the weights of checkpoint `folder` (its `model/` copy, read
-    whole whatever the saved layout), in eval mode."""
-    model = GPT(replace(cfg.model, dropout=0.0)).eval()
+def load_model(folder: Path, model_cfg: ModelConfig) -> GPT:
+    """The plain GPT of `model_cfg` with the weights of checkpoint `folder` (its `model/` copy,
+    read whole whatever the saved layout), in eval mode."""
+    model = GPT(replace(model_cfg, dropout=0.0)).eval()
     weights = read_model_copy(folder)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -142,7 +142,7 @@ def generate(path: Path, prompt: str, opts: SampleOptions) -> tuple[str, float]:
     opts.check()
     folder, cfg, run_dir = find_run_checkpoint(path)
     tokenizer: Tokenizer = run_tokenizer(run_dir, cfg.data.tokenizer)  # the one the run trained with
-    model = load_model(folder, cfg)
+    model = load_model(folder, cfg.model)
     ids = [int(i) for i in tokenizer.encode(prompt)]
     start = time.perf_counter()
     new = decode(model, ids, opts, stop_id=tokenizer.eos_id, vocab=tokenizer.vocab_size)

@@ -8,12 +8,13 @@ import math
 from pathlib import Path
 from typing import Any, TextIO
 
-from mshpc.config import Config, dump_yaml
+from mshpc.config import RunConfig
 from mshpc.errors import RunEnvironmentError, writing_to
 
 
-def run_path(cfg: Config) -> Path:
-    return Path(cfg.run.out_dir) / cfg.run.name
+def run_path(run: RunConfig) -> Path:
+    """<run.out_dir>/<run.name>: where a run's files go."""
+    return Path(run.out_dir) / run.name
 
 
 def _jsonable(value: Any) -> Any:
@@ -69,10 +70,10 @@ class MetricsLog:
             self._file.close()
 
 
-def create_run_dir(cfg: Config, start_step: int = 0) -> tuple[Path, MetricsLog]:
-    """Make runs/<name>/, write the resolved config, and open the metrics log."""
-    path = run_path(cfg)
+def create_run_dir(path: Path, config_yaml: str, start_step: int = 0) -> MetricsLog:
+    """Make the run directory `path`, write the resolved config (`config_yaml`, its YAML text),
+    and open the metrics log."""
     with writing_to(path / "config.yaml"):
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.yaml").write_text(dump_yaml(cfg))
-    return path, MetricsLog(path / "metrics.jsonl", start_step)
+        (path / "config.yaml").write_text(config_yaml)
+    return MetricsLog(path / "metrics.jsonl", start_step)

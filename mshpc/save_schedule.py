@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mshpc.config import Config
+from mshpc.config import CheckpointConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -15,8 +15,8 @@ class SaveSchedule:
     last_step: int  # train.steps: the end always saves, whatever the interval
 
     @classmethod
-    def from_config(cls, cfg: Config) -> SaveSchedule:
-        return cls(cfg.checkpoint.interval_steps, cfg.train.steps)
+    def of(cls, *, checkpoint: CheckpointConfig, train: TrainConfig) -> SaveSchedule:
+        return cls(checkpoint.interval_steps, train.steps)
 
     def due(self, step: int) -> bool:
         """Whether a save follows `step`, the count of optimizer steps done (1-based)."""

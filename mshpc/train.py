@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -16,7 +17,16 @@ import torch
 from mshpc.batch import Batch
 from mshpc.checkpoint.paths import checkpoint_root
 from mshpc.checkpoint.train_checkpoint import TrainCheckpointer
-from mshpc.config import Config, TrainConfig, resolve_world
+from mshpc.config import (
+    Config,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    config_hash,
+    dump_yaml,
+    resolve_world,
+    to_dict,
+)
 from mshpc.data.loader import BatchLoader
 from mshpc.data.node_reader import ReaderScope
 from mshpc.data.pipeline import build_loader
@@ -30,7 +40,7 @@ from mshpc.evaluate import Evaluator, build_evaluator
 from mshpc.fault_hooks import NO_FAULTS, FaultHooks
 from mshpc.fault_setup import build_fault_hooks
 from mshpc.interop.hf_import import initial_model
-from mshpc.launch.env import LaunchEnv
+from mshpc.launch.env import LaunchEnv, SupervisorLink
 from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
@@ -43,6 +53,7 @@ from mshpc.parallel.apply import LossFn, parallelize
 from mshpc.parallel.compile_blocks import compile_seconds
 from mshpc.parallel.mesh import Mesh, build_mesh
 from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
+from mshpc.parallel.update import clipped_update
 from mshpc.parallel.zero import ZeroEngine
 from mshpc.plan.auto_layout import fit_layout, rank_device_spec, smallest_over_world
 from mshpc.plan.report import fit_warning
@@ -57,6 +68,7 @@ from mshpc.run_lock import (
     read_holder,
     token_digest,
 )
+from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +128,9 @@ def fit_to_world(cfg: Config, info: DistInfo) -> Config:
                                info.local_world_size, cfg.train.cpu_threads)
         device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
         dev, per_node = smallest_over_world(dev, info.local_world_size, device)
-        cfg, line = fit_layout(cfg, info.world_size, dev, per_node)
+        parallel, train, line = fit_layout(info.world_size, dev, per_node, model_cfg=cfg.model,
+                                           parallel=cfg.parallel, train=cfg.train, optim=cfg.optim)
+        cfg = dataclasses.replace(cfg, parallel=parallel, train=train)
         if info.rank == 0:
             log.info(line)
     return resolve_world(cfg, info.world_size)
@@ -128,7 +142,7 @@ def warn_if_unfit(cfg: Config, rt: Runtime) -> None:
     if rt.device.type != "cuda":
         return
     props = torch.cuda.get_device_properties(rt.device)
-    warning = fit_warning(cfg, props.total_memory, props.name)
+    warning = fit_warning(props.total_memory, props.name, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train)
     if warning is not None:
         log.warning(warning)
 
@@ -145,7 +159,7 @@ def open_data(cfg: Config, info: DistInfo, fresh: bool) -> tuple[DataSources, li
                 raise ConfigError(
                     f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                     f"vocabulary ({tokenizer.vocab_size}); set model.vocab_size >= {tokenizer.vocab_size}")
-            record_tokenizer(tokenizer, run_path(cfg), fresh)
+            record_tokenizer(tokenizer, run_path(cfg.run), fresh)
             log.info("tokenizer: %s", describe(tokenizer))
         except MshpcError as exc:
             error = exc
@@ -154,32 +168,26 @@ def open_data(cfg: Config, info: DistInfo, fresh: bool) -> tuple[DataSources, li
     return open_sources(cfg.data, paths, "train", info.rank == 0, cfg.model.vocab_size), paths
 
 
-def train_step(
-    engine: ZeroEngine, loss_fn: LossFn, batch: Batch, cfg: Config, rt: Runtime
-) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(engine: ZeroEngine, loss_fn: LossFn, batch: Batch, rt: Runtime, *, train: TrainConfig,
+               optim: OptimConfig, parallel: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over the dp rank's batch (grad_accum micro-batches; the tp ranks of one
     dp rank see the same batch); collective over the mesh. Returns the loss averaged over the
     global batch and the global grad norm before clipping."""
     batch = batch.to(rt.device, non_blocking=True)  # (grad_accum * micro_batch, seq_len + 1)
     loss_sum = torch.zeros((), device=rt.device)
-    micros = batch.split(cfg.train.micro_batch)
+    micros = batch.split(train.micro_batch)
     for i, micro in enumerate(micros):
         # bf16 autocast on GPU: the parameters and their gradients stay fp32, so the engine
         # accumulates and reduces gradients in fp32
         with phase("forward"), torch.autocast(rt.device.type, dtype=rt.autocast_dtype,
                                               enabled=rt.autocast_dtype is not None):
-            loss = loss_fn(engine.model(micro.inputs, micro.segments), micro.targets) / cfg.train.grad_accum
+            loss = loss_fn(engine.model(micro.inputs, micro.segments), micro.targets) / train.grad_accum
         with phase("backward"):
             engine.backward(loss, sync=i == len(micros) - 1)  # communicate on the last micro-batch only
         loss_sum += loss.detach()
-    # Started before step() queues the parameter all-gathers, so waiting for it (and the .item()
-    # the loop does) never waits for them: they overlap the next forward.
-    loss_reduce = comm.all_reduce(loss_sum, group=engine.group, async_op=True)
-    with phase("optimizer"):
-        grad_norm = engine.step(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
-    if loss_reduce is not None:
-        loss_reduce.wait()
-    return loss_sum / cfg.parallel.dp, grad_norm
+    # every rank of a dp group holds the same tp-reduced loss: summed over the dp group
+    return clipped_update(engine, loss_sum, grad_clip=optim.grad_clip, loss_group=engine.group,
+                          loss_terms=parallel.dp)
 
 
 def compile_report(cfg: TrainConfig, first_step: bool, rank: int) -> dict[str, float]:
@@ -210,12 +218,16 @@ def build_model_step(cfg: Config, mesh: Mesh, rt: Runtime) -> tuple[ZeroEngine, 
     """This rank's ZeRO engine over its part of the model (tp/sp, recompute, ZeRO applied), and
     its train step (a pipeline rank's when pp > 1). Collective over the mesh."""
     torch.manual_seed(cfg.train.seed)  # identical on every rank: identical initial weights
-    model = initial_model(cfg)  # or train.init_from's
-    if cfg.parallel.pp > 1:
-        pipe = build_pipeline(cfg, mesh, rt.device, rt.autocast_dtype, model)
-        return pipe.engine, lambda batch: pipeline_train_step(pipe, batch.to(rt.device), cfg)
-    split = parallelize(model.to(rt.device), mesh, cfg)
-    return split.engine, lambda batch: train_step(split.engine, split.loss_fn, batch, cfg, rt)
+    model = initial_model(cfg.model, cfg.train.init_from)
+    parallel, train, optim = cfg.parallel, cfg.train, cfg.optim
+    if parallel.pp > 1:
+        pipe = build_pipeline(mesh, rt.device, rt.autocast_dtype, model, model_cfg=cfg.model, parallel=parallel,
+                              train=train, optim=optim)
+        return pipe.engine, lambda batch: pipeline_train_step(pipe, batch.to(rt.device), train=train, optim=optim,
+                                                              parallel=parallel)
+    split = parallelize(model.to(rt.device), mesh, model_cfg=cfg.model, parallel=parallel, train=train, optim=optim)
+    return split.engine, lambda batch: train_step(split.engine, split.loss_fn, batch, rt, train=train, optim=optim,
+                                                  parallel=parallel)
 
 
 def build_eval(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, engine: ZeroEngine) -> Evaluator | None:
@@ -224,7 +236,8 @@ def build_eval(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, engine: Zer
     if cfg.eval.interval_steps == 0:
         return None
     val = open_sources(cfg.data, source_paths(cfg.data), "val", info.rank == 0, cfg.model.vocab_size)
-    return build_evaluator(cfg, mesh, engine, val, rt.device, rt.autocast_dtype)
+    return build_evaluator(mesh, engine, val, rt.device, rt.autocast_dtype, eval_cfg=cfg.eval, model_cfg=cfg.model,
+                           parallel=cfg.parallel, train=cfg.train, data=cfg.data)
 
 
 def run_eval(evaluator: Evaluator | None, step: int, beat: Heartbeat) -> tuple[dict[str, float], float]:
@@ -248,8 +261,9 @@ def open_loggers(cfg: Config, info: DistInfo, start_step: int) -> tuple[Path | N
     out: tuple[Path | None, Loggers | None] = (None, None)
     if info.rank == 0:
         try:
-            run_dir, metrics = create_run_dir(cfg, start_step)
-            out = run_dir, build_loggers(cfg, run_dir, metrics, start_step)
+            run_dir = run_path(cfg.run)
+            metrics = create_run_dir(run_dir, dump_yaml(cfg), start_step)
+            out = run_dir, build_loggers(run_dir, metrics, start_step, run=cfg.run, config_record=to_dict(cfg))
         except MshpcError as exc:
             error = exc
     comm.raise_if_any_failed(error, "starting the loggers")
@@ -267,19 +281,21 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     # Per-rank dropout masks, as DP needs; tp ranks drop out of different tokens (sequence
     # parallelism) or heads, so theirs differ too.
     torch.manual_seed(cfg.train.seed + info.rank)
-    ckpt = TrainCheckpointer(cfg, checkpoint_root(cfg, run_path(cfg)), info.rank, info.world_size,
-                             engine, scheduler,
-                             before_commit=faults.before_commit)
+    run_dir = run_path(cfg.run)
+    ckpt = TrainCheckpointer(checkpoint_root(cfg.checkpoint, run_dir), info.rank, engine, scheduler, run_dir=run_dir,
+                             config_hash=config_hash(cfg), checkpoint=cfg.checkpoint, parallel=cfg.parallel,
+                             train=cfg.train, data=cfg.data, model_cfg=cfg.model, before_commit=faults.before_commit)
     start_step = ckpt.resume()
     faults.install_slowdown(engine.model, start_step, cfg.train.grad_accum)
     loader = build_data(cfg, info, mesh, rt, start_step)
     evaluator = build_eval(cfg, info, mesh, rt, engine)
-    run_dir, loggers = open_loggers(cfg, info, start_step)
-    diag = build_collector(cfg, run_path(cfg), info.rank, info.node, rt.device, start_step, rt.peak_tflops)
+    log_dir, loggers = open_loggers(cfg, info, start_step)
+    diag = build_collector(run_dir, info.rank, info.node, rt.device, start_step, rt.peak_tflops,
+                           diagnose=cfg.diagnose, model_cfg=cfg.model, parallel=cfg.parallel)
     progress = Progress(cfg.train.steps, cfg.run.progress if info.rank == 0 else "none")
     tokens_per_step = cfg.global_batch * cfg.model.seq_len
     losses: list[float] = []
-    beat = beat or start_heartbeat(cfg, None, info.rank, info.node)
+    beat = beat or open_heartbeat(cfg, None, info)
     try:
         for step in range(start_step, cfg.train.steps):
             start, wait_before = time.perf_counter(), loader.wait_s
@@ -321,7 +337,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                 if blocking_s is None:
                     ckpt.save(step + 1)
                 ckpt.close()
-                watcher.stop(stop, info.rank, cfg)  # rank 0 requeues if asked; raises JobStopped
+                watcher.stop(stop, info.rank)  # rank 0 requeues if asked; raises JobStopped
         ckpt.close()
         diag.close(final_step=cfg.train.steps)  # the last straggler look sees every rank's last step
     except BaseException:
@@ -334,8 +350,8 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             evaluator.close()
         if loggers is not None:
             loggers.close()
-    if run_dir is not None:
-        log.info("run directory: %s", run_dir)
+    if log_dir is not None:
+        log.info("run directory: %s", log_dir)
     return losses
 
 
@@ -347,6 +363,12 @@ def settle_save_in_flight(ckpt: TrainCheckpointer, beat: Heartbeat) -> None:
     if step is not None:
         beat.phase("checkpoint", step - 1)  # the phase of the step that saved (0-based)
         ckpt.close_after_error()
+
+
+def open_heartbeat(cfg: Config, link: SupervisorLink | None, info: DistInfo) -> Heartbeat:
+    """This rank's heartbeat (to the supervisor at `link`; silent without one)."""
+    return start_heartbeat(link, info.rank, info.node, parallel=cfg.parallel, supervisor=cfg.supervisor,
+                           saves=SaveSchedule.of(checkpoint=cfg.checkpoint, train=cfg.train))
 
 
 @contextmanager
@@ -386,14 +408,17 @@ def _check_rank0_holds(run_dir: Path, token: str | None, rt: Runtime) -> None:
 
 def train(cfg: Config, env: LaunchEnv) -> list[float]:
     """Entry point for one rank: bootstrap, fit the config to the world, train, shut down."""
-    watcher = watch_signals(cfg, env)  # first: a signal during start-up must not kill the rank
+    run_dir = run_path(cfg.run)
+    checkpoints = checkpoint_root(cfg.checkpoint, run_dir)
+    # first: a signal during start-up must not kill the rank
+    watcher = watch_signals(env, slurm=cfg.slurm, run_dir=run_dir, checkpoints=checkpoints)
     try:
         info = init_distributed(env)
         cfg = fit_to_world(cfg, info)
-        faults = build_fault_hooks(env, info, run_path(cfg), checkpoint_root(cfg, run_path(cfg)))
-        with start_heartbeat(cfg, env.supervisor, info.rank, info.node) as beat:
+        faults = build_fault_hooks(env, info, run_dir, checkpoints)
+        with open_heartbeat(cfg, env.supervisor, info) as beat:
             rt = build_runtime(cfg.train, info)
-            with claim_run_dir(run_path(cfg), info, rt):  # before anything is written there
+            with claim_run_dir(run_dir, info, rt):  # before anything is written there
                 if info.rank == 0:
                     warn_if_unfit(cfg, rt)
                 return run_training(cfg, info, rt, watcher, faults, beat)

@@ -343,7 +343,9 @@ def supervise(world: int, run_dir: Path, seed: int = 0, timing: Timing = Timing(
         attempts.append(SimNodes(active, env, faults[attempt], timing, process))
         return attempts[-1]
 
-    sup = Supervisor(cfg, world, NodePool(hosts, nodes, cfg.supervisor.evict_after), start, "127.0.0.1")
+    sup = Supervisor(world, NodePool(hosts, nodes, cfg.supervisor.evict_after), start, "127.0.0.1",
+                     supervisor=cfg.supervisor, spare_nodes=cfg.train.spare_nodes, run_dir=run_dir,
+                     checkpoints=run_dir / "checkpoints")
     code = sup.run()
     events = [json.loads(x) for x in (run_dir / EVENTS_FILE).read_text().splitlines() if x.strip()]
     return Outcome(code, faults, events, attempts)

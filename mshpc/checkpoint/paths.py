@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mshpc.config import Config
+    from mshpc.config import CheckpointConfig
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
 
-def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
+def checkpoint_root(checkpoint: CheckpointConfig, run_dir: Path) -> Path:
     """Where a run's checkpoints live: `checkpoint.dir`, or <run dir>/checkpoints."""
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    return Path(checkpoint.dir) if checkpoint.dir else run_dir / "checkpoints"
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -20,7 +20,7 @@ from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra
 from mshpc.checkpoint.restore import candidates, resume_from
 from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
 from mshpc.checkpoint.state import apply_rng, model_slices, rng_names, rng_slices, stage_rng
-from mshpc.config import Config, ParallelConfig, config_hash
+from mshpc.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig, global_batch
 from mshpc.errors import CheckpointError
 from mshpc.events import append_event
 from mshpc.mesh_shape import Coords, MeshShape
@@ -28,7 +28,6 @@ from mshpc.parallel import comm
 from mshpc.parallel.apply import tp_splits
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.parallel.zero import ZeroEngine
-from mshpc.run_dir import run_path
 from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
@@ -47,21 +46,27 @@ def build_dp_group(p: ParallelConfig, world: dist.ProcessGroup) -> dist.ProcessG
 
 
 class TrainCheckpointer:
-    """Collective over the world: every rank calls `resume`, `maybe_save` and `close` alike."""
+    """Collective over the world: every rank calls `resume`, `maybe_save` and `close` alike.
+    Checkpoints go under `root`, events to `run_dir`; `config_hash` is recorded with each."""
 
-    def __init__(self, cfg: Config, root: Path, rank: int, world_size: int, engine: ZeroEngine,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler,
+    def __init__(self, root: Path, rank: int, engine: ZeroEngine, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                 *, run_dir: Path, config_hash: str, checkpoint: CheckpointConfig, parallel: ParallelConfig,
+                 train: TrainConfig, data: DataConfig, model_cfg: ModelConfig,
                  before_commit: Callable[[int], None] = lambda step: None) -> None:
-        self.cfg, self.root, self.rank, self.world_size = cfg, root, rank, world_size
+        self.root, self.run_dir, self.rank, self.world_size = root, run_dir, rank, parallel.world_size
         self.engine, self.optimizer, self.scheduler = engine, engine.optimizer, scheduler
+        self.parallel, self.resume_from, self.async_save = parallel, train.resume, checkpoint.async_save
+        # where the data stream stands after a step: a resume with other settings reads other windows
+        self.data_position = {"seed": data.seed, "global_batch": global_batch(train, parallel),
+                              "seq_len": model_cfg.seq_len}
         # A CPU group of its own: the saver's thread talks on it while the loop uses the default one.
         self.group = dist.new_group(backend="gloo")
-        self.dp_group = build_dp_group(cfg.parallel, self.group)  # restore shares reads within it
-        p = cfg.parallel
-        target = SaveTarget(root=root, keep=cfg.checkpoint.keep, config_hash=config_hash(cfg),
+        self.dp_group = build_dp_group(parallel, self.group)  # restore shares reads within it
+        p = parallel
+        target = SaveTarget(root=root, keep=checkpoint.keep, config_hash=config_hash,
                             layout={"dp": p.dp, "tp": p.tp, "pp": p.pp})
-        self.saver = CheckpointSaver(target, rank, self.group, cfg.checkpoint.async_save, before_commit)
-        self.schedule = SaveSchedule.from_config(cfg)
+        self.saver = CheckpointSaver(target, rank, self.group, checkpoint.async_save, before_commit)
+        self.schedule = SaveSchedule.of(checkpoint=checkpoint, train=train)
         self._restored: dict[str, int] = {}  # what the last restore's stage read and received
         self._stage1_wait_s: float | None = None  # how long the last update waited for a save's stage 1
         self._splits = tp_splits(engine.model)  # how tp cut this stage (empty at tp=1), for resharding
@@ -76,15 +81,11 @@ class TrainCheckpointer:
             "step": step, "world_size": self.world_size,
             "scheduler": self.scheduler.state_dict(),
             "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
-            "data": self._data_position(),
+            "data": self.data_position,
         }
         if self._all_splits:
             extras[SPLITS_KEY] = dict(sorted(self._all_splits.items()))  # another tp joins and re-cuts by them
         return extras
-
-    def _data_position(self) -> dict[str, int]:
-        c = self.cfg
-        return {"seed": c.data.seed, "global_batch": c.global_batch, "seq_len": c.model.seq_len}
 
     def maybe_save(self, step: int) -> float | None:
         """After `step` optimizer steps: save if the schedule says so; return the seconds the
@@ -98,9 +99,9 @@ class TrainCheckpointer:
         # The dp-replicated weights (each tp rank its own shards), for inference and inspection,
         # spread over the dp ranks; resume rebuilds the weights from the fp32 masters and only
         # checks this copy (model_copy.py).
-        slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, self.cfg.parallel.dp))
+        slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, self.parallel.dp))
         blocking = self.saver.save(step, slices, self._extras(step))
-        if self.cfg.checkpoint.async_save:  # stage 1 overlaps the next forward and backward
+        if self.async_save:  # stage 1 overlaps the next forward and backward
             self.engine.before_next_update(self._release)
         return blocking
 
@@ -142,7 +143,7 @@ class TrainCheckpointer:
 
     def resume(self) -> int:
         """Install the checkpoint `train.resume` names; return the step to continue from."""
-        mode = self.cfg.train.resume
+        mode = self.resume_from
         if mode == "never":
             return 0
         if mode == "auto":
@@ -176,15 +177,15 @@ class TrainCheckpointer:
             fields = {"step": step, "tensor": r.tensor, "file": str(folder / r.file),
                       "problem": r.problem}
             if r.error is None:
-                append_event(run_path(self.cfg), "checkpoint_repaired", **fields)
+                append_event(self.run_dir, "checkpoint_repaired", **fields)
                 log.warning("checkpoint %s: rebuilt the model copy %s in %s from the masters (%s)",
                             folder, r.tensor, r.file, r.problem)
             else:
-                append_event(run_path(self.cfg), "checkpoint_repair_failed", **fields, error=r.error)
+                append_event(self.run_dir, "checkpoint_repair_failed", **fields, error=r.error)
                 log.warning("checkpoint %s: the model copy %s in %s is bad (%s) and could not be rebuilt: "
                             "%s; training goes on from the masters", folder, r.tensor, r.file, r.problem, r.error)
         if manifest_error is not None:
-            append_event(run_path(self.cfg), "checkpoint_repair_failed", step=step, error=manifest_error)
+            append_event(self.run_dir, "checkpoint_repair_failed", step=step, error=manifest_error)
             log.warning("checkpoint %s: %s", folder, manifest_error)
 
     def _requests(self, reader: CheckpointReader, relayout: Relayout, same_world: bool) -> list[Request]:
@@ -212,7 +213,7 @@ class TrainCheckpointer:
         same_world = extras.get("world_size") == self.world_size
         requests, error, relayout = [], None, Relayout(1, 1, 0)
         try:
-            relayout = Relayout.build(reader, self.cfg.parallel.tp, self.engine.mp.tp_rank, self._splits,
+            relayout = Relayout.build(reader, self.parallel.tp, self.engine.mp.tp_rank, self._splits,
                                       self.engine.mp.tied)
             requests = self._requests(reader, relayout, same_world)
         except CheckpointError as exc:
@@ -228,10 +229,10 @@ class TrainCheckpointer:
             self.scheduler.load_state_dict(extras["scheduler"])
             for group, lr in zip(self.optimizer.param_groups, extras["group_lrs"], strict=True):
                 group["lr"] = lr
-            if extras.get("data") != self._data_position():
+            if extras.get("data") != self.data_position:
                 log.warning("data settings changed since the checkpoint (%s -> %s): the data order "
                             "from here on differs from the original run's", extras.get("data"),
-                            self._data_position())
+                            self.data_position)
 
         return install
 
@@ -243,7 +244,7 @@ class TrainCheckpointer:
         if self.rank != 0:
             return
         fields = {key: [r[key] for r in ranks] for key in ranks[0]}
-        append_event(run_path(self.cfg), "checkpoint_restore", step=step, seconds=round(seconds, 3),
+        append_event(self.run_dir, "checkpoint_restore", step=step, seconds=round(seconds, 3),
                      model_check_s=round(model_check_s, 3), **fields)
         log.info("resumed from step %d in %.1f s: %.1f MiB read by %d ranks, %.1f MiB broadcast",
                  step, seconds, sum(fields["bytes_read"]) / 2**20, sum(1 for b in fields["bytes_read"] if b),

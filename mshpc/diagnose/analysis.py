@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from mshpc.config import Config, load_config
+from mshpc.config import DiagnoseConfig, ModelConfig, ParallelConfig, load_config
 from mshpc.diagnose.mfu import achieved_tflops
 from mshpc.diagnose.stragglers import Straggler, detect, individual_scores, relative_scores
 from mshpc.diagnose.timers import CATEGORIES
@@ -45,7 +45,11 @@ class RankSummary:
 @dataclass(frozen=True)
 class Analysis:
     run_dir: Path
-    cfg: Config
+    run_name: str  # run.name
+    model: ModelConfig  # the run's sections, as its config.yaml says
+    parallel: ParallelConfig
+    diagnose: DiagnoseConfig
+    peak_tflops: float | None  # train.peak_tflops
     metrics: list[dict[str, Any]]
     events: list[dict[str, Any]]
     timings: Timings | None
@@ -76,7 +80,7 @@ def tflops_series(a: Analysis) -> tuple[list[int], list[float]]:
     for r in a.metrics:
         value = r.get("tflops")
         if value is None and r.get("tokens_per_s"):
-            value = achieved_tflops(r["tokens_per_s"], a.cfg.model, a.cfg.world_size)
+            value = achieved_tflops(r["tokens_per_s"], a.model, a.parallel.world_size)
         if value is not None:
             steps.append(r["step"])
             values.append(value)
@@ -89,7 +93,7 @@ def mfu_trend(a: Analysis) -> tuple[float, float] | None:
     values = values[WARMUP_STEPS:]
     if len(values) < 2:
         return None
-    window = max(1, min(a.cfg.diagnose.mfu_window_steps, len(values) // 3))
+    window = max(1, min(a.diagnose.mfu_window_steps, len(values) // 3))
     return statistics.median(values[:window]), statistics.median(values[-window:])
 
 
@@ -112,15 +116,15 @@ def slowest_dependencies(shape: MeshShape, ranks: list[RankInfo], compute_s: np.
     return out
 
 
-def _rank_summaries(cfg: Config, t: Timings) -> list[RankSummary]:
+def _rank_summaries(t: Timings, *, diagnose: DiagnoseConfig, parallel: ParallelConfig) -> list[RankSummary]:
     cols = _steady(t)
     cats = {c: np.nanmedian(t.category(c)[:, cols], axis=1) for c in CATEGORIES}
     step_s = np.nanmedian(t.step_s[:, cols], axis=1)
-    floors = cfg.diagnose.straggler_floor * np.nanmedian(t.step_s[:, cols], axis=0)
+    floors = diagnose.straggler_floor * np.nanmedian(t.step_s[:, cols], axis=0)
     compute = t.category("compute")[:, cols]
     scores = np.nanmedian(relative_scores(compute, floors), axis=1)
-    individual = individual_scores(compute.T, cfg.diagnose.straggler_window_steps, float(np.median(floors)))
-    p = cfg.parallel
+    individual = individual_scores(compute.T, diagnose.straggler_window_steps, float(np.median(floors)))
+    p = parallel
     deps = slowest_dependencies(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp), t.ranks, cats["compute"])
     out = [RankSummary(info, float(step_s[i]), {c: float(cats[c][i]) for c in CATEGORIES}, float(scores[i]),
                        None if individual is None else float(individual[i]), deps[i])
@@ -141,9 +145,9 @@ def analyse(run_dir: Path) -> Analysis:
     if timings is not None:
         detector, flags = detect(timings, cfg.diagnose)
         stragglers = detector.current()
-        ranks = _rank_summaries(cfg, timings)
+        ranks = _rank_summaries(timings, diagnose=cfg.diagnose, parallel=cfg.parallel)
         cols = _steady(timings)
         step = float(np.nanmedian(timings.step_s[:, cols]))
         share = {p: float(np.nanmedian(v[:, cols])) / step for p, v in timings.phases.items()}
-    return Analysis(run_dir, cfg, read_jsonl(run_dir / "metrics.jsonl"), read_events(run_dir), timings, ranks,
+    return Analysis(run_dir, cfg.run.name, cfg.model, cfg.parallel, cfg.diagnose, cfg.train.peak_tflops, read_jsonl(run_dir / "metrics.jsonl"), read_events(run_dir), timings, ranks,
                     dict(sorted(share.items(), key=lambda kv: -kv[1])), stragglers, flags)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mshpc.config import Config
+from mshpc.config import DiagnoseConfig, ModelConfig, ParallelConfig
 from mshpc.diagnose.mfu import MfuDeclineDetector, achieved_tflops
 from mshpc.diagnose.stragglers import StragglerWatch
 from mshpc.diagnose.timers import TIMERS
@@ -29,10 +29,10 @@ class Collector:
     """Built by `build_collector`; every rank calls begin_step / end_step around each step and
     close() at the end. Never communicates."""
 
-    def __init__(self, cfg: Config, run_dir: Path, writer: TimingsWriter | None,
-                 mfu_watch: MfuDeclineDetector | None, straggler_watch: StragglerWatch | None,
-                 peak_tflops: float | None) -> None:
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(self, run_dir: Path, writer: TimingsWriter | None, mfu_watch: MfuDeclineDetector | None,
+                 straggler_watch: StragglerWatch | None, peak_tflops: float | None, *, model_cfg: ModelConfig,
+                 world_size: int) -> None:
+        self.run_dir, self.model_cfg, self.world_size = run_dir, model_cfg, world_size
         self.writer, self.mfu_watch, self.straggler_watch = writer, mfu_watch, straggler_watch
         self.peak_tflops = peak_tflops
 
@@ -44,7 +44,7 @@ class Collector:
         spans = TIMERS.end_step()
         if spans is not None and self.writer is not None:
             self.writer.put(spans)
-        tflops = achieved_tflops(tokens_per_s, self.cfg.model, self.cfg.world_size)
+        tflops = achieved_tflops(tokens_per_s, self.model_cfg, self.world_size)
         decline = self.mfu_watch.update(step, tflops) if self.mfu_watch is not None else None
         if decline is not None:
             peak = self.peak_tflops
@@ -71,16 +71,16 @@ class Collector:
             self.straggler_watch = None
 
 
-def build_collector(cfg: Config, run_dir: Path, rank: int, host: str, device: torch.device,
-                    start_step: int, peak_tflops: float | None) -> Collector:
+def build_collector(run_dir: Path, rank: int, host: str, device: torch.device, start_step: int,
+                    peak_tflops: float | None, *, diagnose: DiagnoseConfig, model_cfg: ModelConfig,
+                    parallel: ParallelConfig) -> Collector:
     """Configure this process's timers and start its timings thread (rank 0: and the watches)."""
-    d = cfg.diagnose
+    d, p = diagnose, parallel
     TIMERS.configure(d.timers, device)
-    p = cfg.parallel
     coords = MeshShape(pp=p.pp, dp=p.dp, tp=p.tp).coords(rank)
     straggler_watch = None
     if rank == 0 and d.timers and d.straggler_check_interval_steps:
-        straggler_watch = StragglerWatch(run_dir, cfg.world_size, d, start_step)
+        straggler_watch = StragglerWatch(run_dir, p.world_size, d, start_step)
     writer = None
     if d.timers:
         head = header(RankInfo(rank, host, coords), TIMERS.clock_name, start_step)
@@ -90,4 +90,5 @@ def build_collector(cfg: Config, run_dir: Path, rank: int, host: str, device: to
         writer = TimingsWriter(rank_file(run_dir, rank), head, d.flush_interval_s,
                                straggler_watch.after_write if straggler_watch else lambda step: None, stream)
     mfu_watch = MfuDeclineDetector(d.mfu_window_steps, d.mfu_decline) if rank == 0 else None
-    return Collector(cfg, run_dir, writer, mfu_watch, straggler_watch, peak_tflops)
+    return Collector(run_dir, writer, mfu_watch, straggler_watch, peak_tflops, model_cfg=model_cfg,
+                     world_size=p.world_size)

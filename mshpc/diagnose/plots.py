@@ -87,7 +87,7 @@ def compute_heatmap(a: Analysis, path: Path) -> Path:
         ranked = slowest_first(scores, nodes)
         # the stragglers' nodes and the nodes below the threshold; at least the slowest one
         named = [(g, r) for g, r in ranked[:NAMED_NODES]
-                 if t.ranks[r].rank in slow or scores[r] < a.cfg.diagnose.straggler_threshold] or ranked[:1]
+                 if t.ranks[r].rank in slow or scores[r] < a.diagnose.straggler_threshold] or ranked[:1]
         index = {g.name: n for n, g in enumerate(nodes)}
         ticks = [(index[g.name], f"{g.name}: {rank_label(t.ranks[r])} score {scores[r]:.2f}",
                   t.ranks[r].rank in slow) for g, r in named]
@@ -140,13 +140,13 @@ def phase_breakdown(a: Analysis, path: Path) -> Path:
 def mesh_view(a: Analysis, path: Path) -> Path:
     """One panel per pipeline stage, dp rows x tp columns; each cell a rank, coloured by its
     relative compute score, with the peer it waits on most (its slowest dependency)."""
-    p = a.cfg.parallel
+    p = a.parallel
     by_coords = {r.info.coords: r for r in a.ranks}
     fig, axes = plt.subplots(1, p.pp, figsize=(min(4 + 2.2 * p.tp * p.pp, 18), min(1 + 1.1 * p.dp, 9)),
                              squeeze=False)
     norm = plt.Normalize(0.5, 1.0)
     cmap = plt.get_cmap("RdYlGn")
-    labelled = a.cfg.world_size <= MAX_LABELLED_RANKS
+    labelled = p.world_size <= MAX_LABELLED_RANKS
     for stage, ax in enumerate(axes[0]):
         grid = np.full((p.dp, p.tp), np.nan)
         for c, r in by_coords.items():

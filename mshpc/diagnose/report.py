@@ -26,8 +26,8 @@ def _coords(r: RankSummary) -> str:
 
 def summary_lines(a: Analysis) -> list[str]:
     """What the terminal shows: run, slowest ranks, biggest phase, MFU trend."""
-    p = a.cfg.parallel
-    lines = [f"run {a.run_dir}: {a.cfg.world_size} ranks (dp={p.dp}, tp={p.tp}, pp={p.pp})"]
+    p = a.parallel
+    lines = [f"run {a.run_dir}: {p.world_size} ranks (dp={p.dp}, tp={p.tp}, pp={p.pp})"]
     if a.timings is None:
         return lines + ["no timings/ (diagnose.timers was off): no per-rank view"]
     steps = a.timings.steps
@@ -44,7 +44,7 @@ def summary_lines(a: Analysis) -> list[str]:
         lines.append(line)
     if not flagged:
         lines.append("  no straggler: no rank is persistently slower than the threshold "
-                     f"(score < {a.cfg.diagnose.straggler_threshold})")
+                     f"(score < {a.diagnose.straggler_threshold})")
     lines.append(_biggest_phase(a))
     lines.append(_mfu_line(a))
     val = [(r["step"], r["val_loss"]) for r in a.metrics if r.get("val_loss") is not None]
@@ -67,7 +67,7 @@ def _mfu_line(a: Analysis) -> str:
     if trend is None:
         return "MFU trend: too few logged steps"
     first, last = trend
-    peak = a.cfg.train.peak_tflops or _peak_from_metrics(a)
+    peak = a.peak_tflops or _peak_from_metrics(a)
     unit = f"MFU {first / peak:.3f} -> {last / peak:.3f}" if peak else f"{first:.3g} -> {last:.3g} TFLOP/s per device"
     declines = [e for e in a.events if e.get("kind") == "mfu_decline"]
     change = 100 * (last - first) / first if first else 0.0
@@ -143,8 +143,8 @@ STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#22
 def render_html(a: Analysis, images: dict[str, str]) -> str:
     """The page: summary, figures (relative paths, beside it) and the per-rank and event tables."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>mshpc diagnosis: "
-             f"{html.escape(a.cfg.run.name)}</title><style>{STYLE}</style></head><body>",
-             f"<h1>Diagnosis of {html.escape(a.cfg.run.name)}</h1>",
+             f"{html.escape(a.run_name)}</title><style>{STYLE}</style></head><body>",
+             f"<h1>Diagnosis of {html.escape(a.run_name)}</h1>",
              f"<pre>{html.escape(chr(10).join(summary_lines(a)))}</pre>"]
     for title, name in images.items():
         parts.append(f"<h2>{html.escape(title)}</h2><img src='{html.escape(name)}' alt='{html.escape(title)}'>")

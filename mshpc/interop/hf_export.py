@@ -18,7 +18,7 @@ import torch
 from mshpc.checkpoint.manifest import MANIFEST_FILE
 from mshpc.checkpoint.model_copy import MODEL, check_model_copy, read_model_copy
 from mshpc.checkpoint.paths import checkpoint_root, latest_step, step_dir
-from mshpc.config import Config, ModelConfig, load_config
+from mshpc.config import CheckpointConfig, Config, ModelConfig, load_config
 from mshpc.data.tokenizer import Tokenizer
 from mshpc.data.tokenizer_dir import run_tokenizer
 from mshpc.errors import InteropError
@@ -46,11 +46,12 @@ def run_config(path: Path, config: Path | None) -> tuple[Path, Config]:
     return run_dir, load_config(cfg_path)
 
 
-def find_checkpoint(path: Path, run_dir: Path, cfg: Config) -> Path:
-    """The checkpoint folder `path` names: itself, or the run directory's latest."""
+def find_checkpoint(path: Path, run_dir: Path, checkpoint: CheckpointConfig) -> Path:
+    """The checkpoint folder `path` names: itself, or the latest under the run directory's
+    checkpoint root (`checkpoint.dir`, or <run dir>/checkpoints)."""
     if (path / MANIFEST_FILE).is_file():
         return path
-    root = checkpoint_root(cfg, run_dir)
+    root = checkpoint_root(checkpoint, run_dir)
     step = latest_step(root)
     if step is None:
         raise InteropError(f"{path}: a run directory with no checkpoint under {root} "
@@ -107,7 +108,7 @@ def export_hf(path: Path, out_dir: Path, config: Path | None = None,
     """Export the checkpoint `path` names (a run directory's latest, or a step folder) into `out_dir`; lines saying what was written."""
     run_dir, cfg = run_config(path, config)
     arch = hf_architecture(cfg.model)  # before reading anything: an unsupported model stops here
-    folder = find_checkpoint(path, run_dir, cfg)
+    folder = find_checkpoint(path, run_dir, cfg.checkpoint)
     check_model_copy(folder)
     weights = check_shapes(read_model_copy(folder), cfg.model, folder)
     tokenizer = run_tokenizer(run_dir, cfg.data.tokenizer)  # the one the run trained with

@@ -96,10 +96,11 @@ def load_hf_weights(model: nn.Module, m: ModelConfig, hf_dir: Path) -> None:
     log.info("initial weights: %s (%s, %d tensors)", hf_dir, arch, len(params))
 
 
-def initial_model(cfg: Config) -> GPT:
+def initial_model(model_cfg: ModelConfig, init_from: str | None) -> GPT:
     """The whole model training starts from: drawn from the seed (the caller seeds), or read
-    from train.init_from. Every rank builds it alike; parallelism then keeps each rank's part."""
-    model = GPT(cfg.model)
-    if cfg.train.init_from is not None:
-        load_hf_weights(model, cfg.model, Path(cfg.train.init_from))
+    from `init_from` (train.init_from). Every rank builds it alike; parallelism then keeps each
+    rank's part."""
+    model = GPT(model_cfg)
+    if init_from is not None:
+        load_hf_weights(model, model_cfg, Path(init_from))
     return model

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from mshpc.config import Config
+from mshpc.config import ParallelConfig, SupervisorConfig
 from mshpc.errors import MshpcError
 from mshpc.launch.env import SupervisorLink
 from mshpc.launch.node_relay import socket_name, start_relay
@@ -243,10 +243,12 @@ class Heartbeat:
         return {"type": "dump", "stacks": stacks, "records": records, "counts": RECORDER.counts()}
 
 
-def start_heartbeat(cfg: Config, link: SupervisorLink | None, rank: int, node: str) -> Heartbeat:
-    """The heartbeat of `rank` (use it as a context manager); it talks only when `link` is set."""
-    shape = MeshShape(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp)
+def start_heartbeat(link: SupervisorLink | None, rank: int, node: str, *, parallel: ParallelConfig,
+                    supervisor: SupervisorConfig, saves: SaveSchedule) -> Heartbeat:
+    """The heartbeat of `rank` (use it as a context manager); it talks only when `link` is set.
+    `saves` says which steps end in a save (their phase is timed as a save, not a hang)."""
+    shape = MeshShape(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp)
     hello = {"rank": rank, "host": node, "coords": str(shape.coords(rank))}
-    relay = RelayPlan(node, link.starts_relay) if link is not None and cfg.supervisor.node_relay else None
-    return Heartbeat(link, hello, cfg.supervisor.heartbeat_interval_s, SaveSchedule.from_config(cfg),
-                     orphan_grace_s=cfg.supervisor.stop_grace_s, relay=relay)
+    relay = RelayPlan(node, link.starts_relay) if link is not None and supervisor.node_relay else None
+    return Heartbeat(link, hello, supervisor.heartbeat_interval_s, saves,
+                     orphan_grace_s=supervisor.stop_grace_s, relay=relay)

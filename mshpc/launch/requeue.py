@@ -26,7 +26,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, NoReturn
 
-from mshpc.config import Config, SlurmConfig, load_config
+from mshpc.checkpoint.paths import checkpoint_root, latest_step
+from mshpc.config import SlurmConfig, load_config
 from mshpc.errors import MshpcError, print_error
 from mshpc.launch.env import LaunchEnv, SlurmEnv, read_launch_env
 from mshpc.run_dir import run_path
@@ -63,8 +64,10 @@ class JobStopped(SystemExit):
 class PreemptionWatcher:
     """Signal handlers that only set a flag; the train loop polls `should_stop` at step boundaries."""
 
-    def __init__(self, cfg: SlurmConfig, env: LaunchEnv, wants: dict[int, int]) -> None:
-        self.cfg, self.env, self.wants = cfg, env, wants
+    def __init__(self, env: LaunchEnv, wants: dict[int, int], *, slurm: SlurmConfig, run_dir: Path,
+                 checkpoints: Path) -> None:
+        self.env, self.wants = env, wants
+        self.slurm, self.run_dir, self.checkpoints = slurm, run_dir, checkpoints
         self.received = 0
         self.signals: list[str] = []  # the names of the signals received here, for the last line
         self._previous: dict[int, Any] = {}
@@ -102,36 +105,37 @@ class PreemptionWatcher:
         if level == 0:
             return None
         if level == _REQUEUE:
-            return StopRequest(signal.Signals["SIG" + self.cfg.preempt_signal].value, requeue=True)
+            return StopRequest(signal.Signals["SIG" + self.slurm.preempt_signal].value, requeue=True)
         return StopRequest(signal.SIGTERM.value, requeue=False)
 
-    def stop(self, request: StopRequest, rank: int, cfg: Config) -> NoReturn:
+    def stop(self, request: StopRequest, rank: int) -> NoReturn:
         """Collective over the world, after the stop checkpoint is committed: rank 0 requeues the
         job when asked (and the guard allows), the others wait for it, then every rank exits."""
         if rank == 0:
             got = ", ".join(dict.fromkeys(self.signals)) or "another rank's"
             log.warning("stopping after a checkpoint (%s signal)", got)
             if request.requeue:
-                requeue_guarded(self.env, cfg)
+                requeue_guarded(self.env, slurm=self.slurm, run_dir=self.run_dir, checkpoints=self.checkpoints)
         from mshpc.parallel import comm
 
         comm.barrier()  # nobody exits first: srun --kill-on-bad-exit would kill rank 0 mid-requeue
         raise JobStopped(request.exit_code)
 
 
-def watch_signals(cfg: Config, env: LaunchEnv) -> PreemptionWatcher:
+def watch_signals(env: LaunchEnv, *, slurm: SlurmConfig, run_dir: Path, checkpoints: Path) -> PreemptionWatcher:
     """Install the handlers: the preempt signal asks for checkpoint + requeue; under MPI also USR1
     (MPICH's mpiexec forwards no other; the template translates); under Slurm, SIGTERM (scancel,
     the time limit) asks for checkpoint + stop while Slurm's KillWait lasts; under mshpc's
-    supervisor, STOP_REQUEST_SIGNAL does (the supervisor was told to stop, or is gone)."""
-    wants = {signal.Signals["SIG" + cfg.slurm.preempt_signal].value: _REQUEUE}
+    supervisor, STOP_REQUEST_SIGNAL does (the supervisor was told to stop, or is gone). A requeue
+    is guarded by `slurm`'s budget, counted in `run_dir` against the newest checkpoint in `checkpoints`."""
+    wants = {signal.Signals["SIG" + slurm.preempt_signal].value: _REQUEUE}
     if env.launcher == "mpi":
         wants[signal.SIGUSR1.value] = _REQUEUE
     if env.slurm is not None:
         wants[signal.SIGTERM.value] = _STOP
     if env.supervisor is not None:
         wants.setdefault(STOP_REQUEST_SIGNAL.value, _STOP)
-    watcher = PreemptionWatcher(cfg.slurm, env, wants)
+    watcher = PreemptionWatcher(env, wants, slurm=slurm, run_dir=run_dir, checkpoints=checkpoints)
     watcher.install()
     return watcher
 
@@ -200,22 +204,22 @@ def write_state(run_dir: Path, state: GuardState) -> None:
     tmp.replace(run_dir / STATE_FILE)
 
 
-def latest_checkpoint_step(cfg: Config) -> int | None:
-    # imported here, and only the torch-free paths module: the supervisor prints its last line
-    # with this, and importing torch for it took seconds on a loaded machine
-    from mshpc.checkpoint.paths import checkpoint_root, latest_step
+def latest_checkpoint_step(checkpoints: Path) -> int | None:
+    """The step `latest` names under the checkpoint root `checkpoints`; None before any save."""
+    # only the torch-free paths module: the supervisor prints its last line with this, and
+    # importing torch for it took seconds on a loaded machine
+    return latest_step(checkpoints)
 
-    return latest_step(checkpoint_root(cfg, run_path(cfg)))
 
-
-def requeue_guarded(env: LaunchEnv, cfg: Config, hold: bool = False) -> bool:
+def requeue_guarded(env: LaunchEnv, *, slurm: SlurmConfig, run_dir: Path, checkpoints: Path,
+                    hold: bool = False) -> bool:
     """Requeue unless the job has failed too often without a newer checkpoint (rank 0 or the
     batch script); the history is saved first, as the requeue ends this process."""
     if env.slurm is None:
         return requeue(env, hold)
-    run_dir, key = run_path(cfg), job_key(env.slurm)
-    state = account(read_state(run_dir), key, latest_checkpoint_step(cfg))
-    budget = cfg.slurm.max_failures_without_progress
+    key = job_key(env.slurm)
+    state = account(read_state(run_dir), key, latest_checkpoint_step(checkpoints))
+    budget = slurm.max_failures_without_progress
     if state.failures_without_progress > budget:
         write_state(run_dir, state)
         log.error("not requeued: %d consecutive failures without a newer checkpoint "
@@ -243,21 +247,21 @@ def finished_by(run_dir: Path, job: str) -> bool:
 # ---------------------------------------------------------------- the batch script's side
 
 
-def after_exit(rc: int, cfg: Config, env: LaunchEnv) -> None:
+def after_exit(rc: int, env: LaunchEnv, *, slurm: SlurmConfig, run_dir: Path, checkpoints: Path) -> None:
     """What the batch script does once the ranks have exited with `rc`."""
     if env.slurm is None:
         return
-    run_dir, key = run_path(cfg), job_key(env.slurm)
+    key = job_key(env.slurm)
     state = read_state(run_dir)
     if rc == 0:
-        mark_finished(run_dir, key, latest_checkpoint_step(cfg))
+        mark_finished(run_dir, key, latest_checkpoint_step(checkpoints))
     elif rc == DO_NOT_REQUEUE_EXIT:
         log.error("not requeued: exit code %d is a user error that a retry cannot fix", rc)
     elif state is not None and state.job == key and state.requeued_restart == env.slurm.restart_count:
         log.info("rank 0 requeued the job already")
     else:
         log.warning("the ranks exited with code %d", rc)
-        requeue_guarded(env, cfg)
+        requeue_guarded(env, slurm=slurm, run_dir=run_dir, checkpoints=checkpoints)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -273,12 +277,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_batch_helper(args: argparse.Namespace, body: Callable[[Config, LaunchEnv], int]) -> int:
-    """What every batch-script helper does first: load CONFIG --set ... and the launch
-    environment, then run `body`; a user error is one line and DO_NOT_REQUEUE_EXIT."""
+def run_batch_helper(body: Callable[[], int]) -> int:
+    """What every batch-script helper does around its `body` (which loads CONFIG --set ... and
+    the launch environment): the log format, and a user error as one line and DO_NOT_REQUEUE_EXIT."""
     logging.basicConfig(level=logging.INFO, format="mshpc: %(message)s")
     try:
-        return body(load_config(args.config, args.set), read_launch_env())
+        return body()
     except MshpcError as exc:
         print_error(exc)
         return DO_NOT_REQUEUE_EXIT
@@ -286,16 +290,18 @@ def run_batch_helper(args: argparse.Namespace, body: Callable[[Config, LaunchEnv
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    return run_batch_helper(args, lambda cfg, env: _guard(args, cfg, env))
 
+    def guard() -> int:
+        cfg, env = load_config(args.config, args.set), read_launch_env()
+        run_dir = run_path(cfg.run)
+        if args.what == "check":
+            done = env.slurm is not None and finished_by(run_dir, job_key(env.slurm))
+            print("finished" if done else "run")
+            return 0
+        after_exit(args.rc, env, slurm=cfg.slurm, run_dir=run_dir, checkpoints=checkpoint_root(cfg.checkpoint, run_dir))
+        return int(args.rc)
 
-def _guard(args: argparse.Namespace, cfg: Config, env: LaunchEnv) -> int:
-    if args.what == "check":
-        done = env.slurm is not None and finished_by(run_path(cfg), job_key(env.slurm))
-        print("finished" if done else "run")
-        return 0
-    after_exit(args.rc, cfg, env)
-    return args.rc
+    return run_batch_helper(guard)
 
 
 if __name__ == "__main__":

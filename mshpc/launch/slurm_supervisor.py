@@ -21,13 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from mshpc.config import Config
+from mshpc.checkpoint.paths import checkpoint_root
+from mshpc.config import SlurmConfig, SupervisorConfig, load_config
 from mshpc.errors import MshpcError
-from mshpc.launch.env import LaunchEnv
+from mshpc.launch.env import LaunchEnv, read_launch_env
 from mshpc.launch.monitor import RankState
 from mshpc.launch.recovery import NodePool
 from mshpc.launch.requeue import job_key, requeue_guarded, run_batch_helper
 from mshpc.launch.supervisor import Supervisor
+from mshpc.run_dir import run_path
 
 UNUSABLE = ("down", "drain", "fail", "maint", "unknown")  # sinfo states a step cannot use
 STEP_EXIT_WAIT_S = 60.0  # after scancel of a step: Slurm's KillWait and then some
@@ -123,7 +125,8 @@ def unusable_nodes(hosts: list[str]) -> dict[str, str]:
     return bad
 
 
-def requeue_excluding(env: LaunchEnv, cfg: Config, evicted: list[str]) -> bool:
+def requeue_excluding(env: LaunchEnv, evicted: list[str], *, slurm: SlurmConfig, run_dir: Path,
+                      checkpoints: Path) -> bool:
     """Requeue this job with `evicted` excluded: Slurm refuses ExcNodeList on a running job, so
     hold it on requeue, exclude, release. The requeue ends this batch script; SIGTERM is ignored
     meanwhile (Slurm's KillWait gives the few milliseconds needed)."""
@@ -131,7 +134,7 @@ def requeue_excluding(env: LaunchEnv, cfg: Config, evicted: list[str]) -> bool:
     key = job_key(env.slurm)
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        if not requeue_guarded(env, cfg, hold=True):
+        if not requeue_guarded(env, slurm=slurm, run_dir=run_dir, checkpoints=checkpoints, hold=True):
             return False
         subprocess.run(["scontrol", "update", f"JobId={key}", f"ExcNodeList={','.join(evicted)}"], check=False, timeout=30)
         return subprocess.run(["scontrol", "release", key], timeout=30).returncode == 0
@@ -139,13 +142,14 @@ def requeue_excluding(env: LaunchEnv, cfg: Config, evicted: list[str]) -> bool:
         signal.signal(signal.SIGTERM, previous)
 
 
-def supervise_slurm(cfg: Config, env: LaunchEnv, hosts: list[str], spec: StepSpec) -> int:
+def supervise_slurm(env: LaunchEnv, hosts: list[str], spec: StepSpec, *, supervisor: SupervisorConfig,
+                    slurm: SlurmConfig, spare_nodes: int, run_dir: Path, checkpoints: Path) -> int:
     """Run the ranks as job steps on `hosts` under the supervisor; returns the exit code."""
-    needed = len(hosts) - cfg.train.spare_nodes
+    needed = len(hosts) - spare_nodes
     if needed < 1:
-        raise MshpcError(f"train.spare_nodes={cfg.train.spare_nodes} leaves no node to train on "
+        raise MshpcError(f"train.spare_nodes={spare_nodes} leaves no node to train on "
                          f"(the allocation has {len(hosts)}: {','.join(hosts)})")
-    pool = NodePool(hosts, needed, cfg.supervisor.evict_after)
+    pool = NodePool(hosts, needed, supervisor.evict_after)
     current: list[SlurmStep] = []
 
     def start(attempt: int, active: list[str], rank_env: dict[str, str]) -> SlurmStep:
@@ -157,8 +161,11 @@ def supervise_slurm(cfg: Config, env: LaunchEnv, hosts: list[str], spec: StepSpe
         if current:
             current[0].signal(signum)
 
-    sup = Supervisor(cfg, needed * spec.per_node, pool, start, "0.0.0.0", unusable_nodes,
-                     lambda evicted: requeue_excluding(env, cfg, evicted))
+    def requeue(evicted: list[str]) -> bool:
+        return requeue_excluding(env, evicted, slurm=slurm, run_dir=run_dir, checkpoints=checkpoints)
+
+    sup = Supervisor(needed * spec.per_node, pool, start, "0.0.0.0", supervisor=supervisor, spare_nodes=spare_nodes,
+                     run_dir=run_dir, checkpoints=checkpoints, down=unusable_nodes, requeue=requeue)
     for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(signum, forward)
     return sup.run()
@@ -179,15 +186,20 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
-    return run_batch_helper(args, lambda cfg, env: _supervise_batch(args, cfg, env))
 
+    def supervise() -> int:
+        cfg, env = load_config(args.config, args.set), read_launch_env()
+        if env.slurm is None:
+            raise MshpcError("the Slurm supervisor runs inside a Slurm job (SLURM_JOB_ID is not set)")
+        rank_argv = (sys.executable, "-m", "mshpc", "train", args.config, *[a for s in args.set for a in ("--set", s)])
+        spec = StepSpec(args.launch, args.per_node, rank_argv, str(args.logs / "rank-%t.log"), env.slurm.job_id,
+                        args.mpiexec)
+        run_dir = run_path(cfg.run)
+        return supervise_slurm(env, args.hosts.split(","), spec, supervisor=cfg.supervisor, slurm=cfg.slurm,
+                               spare_nodes=cfg.train.spare_nodes, run_dir=run_dir,
+                               checkpoints=checkpoint_root(cfg.checkpoint, run_dir))
 
-def _supervise_batch(args: argparse.Namespace, cfg: Config, env: LaunchEnv) -> int:
-    if env.slurm is None:
-        raise MshpcError("the Slurm supervisor runs inside a Slurm job (SLURM_JOB_ID is not set)")
-    rank_argv = (sys.executable, "-m", "mshpc", "train", args.config, *[a for s in args.set for a in ("--set", s)])
-    spec = StepSpec(args.launch, args.per_node, rank_argv, str(args.logs / "rank-%t.log"), env.slurm.job_id, args.mpiexec)
-    return supervise_slurm(cfg, env, args.hosts.split(","), spec)
+    return run_batch_helper(supervise)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mshpc.config import Config, dump_yaml, load_config
+from mshpc.checkpoint.paths import checkpoint_root
+from mshpc.config import Config, SlurmConfig, SupervisorConfig, dump_yaml, load_config
 from mshpc.errors import ConfigError, LaunchError
 from mshpc.launch.requeue import finished_by, latest_checkpoint_step, mark_finished
 from mshpc.run_dir import run_path
@@ -78,14 +79,17 @@ class TrainTask:
         from mshpc.launch.env import read_launch_env
 
         cfg = load_config(self.config_path)
-        run_dir = run_path(cfg)
+        run_dir = run_path(cfg.run)
+        checkpoints = checkpoint_root(cfg.checkpoint, run_dir)
         if finished_by(run_dir, self.token):  # a requeue after the run finished
             return
         env = read_launch_env()
         # as `mshpc train` logs: rank 0 its progress, the others only warnings and errors
         logging.basicConfig(level=logging.INFO if env.rank == 0 else logging.WARNING, format="mshpc: %(message)s")
         if env.launcher == "single" and (env.slurm is not None or self.local_nproc > 1):
-            code = self._supervise(cfg, env)  # the batch script of the job, or cluster="local"
+            # the batch script of the job, or cluster="local"
+            code = self._supervise(env, supervisor=cfg.supervisor, slurm=cfg.slurm, spare_nodes=cfg.train.spare_nodes,
+                                   run_dir=run_dir, checkpoints=checkpoints)
             if code != 0:
                 raise LaunchError(f"training failed with exit code {code} (see {run_dir / 'events.jsonl'})")
         else:
@@ -93,16 +97,18 @@ class TrainTask:
 
             train(cfg, env)
         if env.rank == 0:
-            mark_finished(run_dir, self.token, latest_checkpoint_step(cfg))
+            mark_finished(run_dir, self.token, latest_checkpoint_step(checkpoints))
 
 
-    def _supervise(self, cfg: Config, env: Any) -> int:
+    def _supervise(self, env: Any, *, supervisor: SupervisorConfig, slurm: SlurmConfig, spare_nodes: int,
+                   run_dir: Path, checkpoints: Path) -> int:
         """The supervisor: under Slurm it starts each attempt's ranks as submitit tasks of this
         job (one srun per attempt, logs where `Job.log(rank)` reads them); locally, as ranks."""
         if env.slurm is None:
             from mshpc.launch.supervisor import supervise_local
 
-            return supervise_local(cfg, ["train", self.config_path], self.local_nproc)
+            return supervise_local(["train", self.config_path], self.local_nproc, supervisor=supervisor,
+                                   spare_nodes=spare_nodes, run_dir=run_dir, checkpoints=checkpoints)
         import subprocess
         import sys
 
@@ -117,7 +123,8 @@ class TrainTask:
         rank_argv = (sys.executable, "-u", "-m", "submitit.core._submit", str(folder))
         spec = StepSpec("srun", self.tasks_per_node, rank_argv, str(folder / f"{job.job_id}_%t_log.out"),
                         env.slurm.job_id, error=str(folder / f"{job.job_id}_%t_log.err"))
-        return supervise_slurm(cfg, env, hosts, spec)
+        return supervise_slurm(env, hosts, spec, supervisor=supervisor, slurm=slurm, spare_nodes=spare_nodes,
+                               run_dir=run_dir, checkpoints=checkpoints)
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ def build_executor(folder: Path, cluster: str | None, nodes: int, tasks_per_node
 
 
 def _tasks(cfgs: list[Config], folder: Path, nproc: int, per_node: int) -> list[TrainTask]:
-    names = [str(run_path(c)) for c in cfgs]
+    names = [str(run_path(c.run)) for c in cfgs]
     clash = sorted({n for n in names if names.count(n) > 1})
     if clash:
         raise ConfigError(f"the sweep's configs share run directories {clash}: give each its own run.name")
@@ -250,7 +257,7 @@ def submit_sweep(configs: Sequence[str | Path | Config], *, nodes: int = 1, gpus
     tasks = _tasks(cfgs, root / "configs", nodes * per_node, per_node)
     with executor.batch():
         jobs = [executor.submit(task) for task in tasks]
-    return [Job(j, run_path(c).resolve(), t.token) for j, c, t in zip(jobs, cfgs, tasks, strict=True)]
+    return [Job(j, run_path(c.run).resolve(), t.token) for j, c, t in zip(jobs, cfgs, tasks, strict=True)]
 
 
 def submit(config: str | Path | Config, *, overrides: Sequence[str] = (), nodes: int = 1,

@@ -26,15 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from mshpc.config import Config
+from mshpc.config import SupervisorConfig
 from mshpc.events import append_event
 from mshpc.launch.detection import Detection, all_finished, detect, stop_request
 from mshpc.launch.hang_report import REPORT_FILE, Missing, missing_ranks, where, write_hang_report
 from mshpc.launch.monitor import Monitor, RankState
 from mshpc.launch.recovery import NodePool, PastFailure, Verdict, classify
-from mshpc.launch.requeue import STOP_REQUEST_SIGNAL, JobStopped
+from mshpc.launch.requeue import STOP_REQUEST_SIGNAL, JobStopped, latest_checkpoint_step
 from mshpc.launch.stop_signals import stop_signals_to
-from mshpc.run_dir import run_path
 from mshpc.run_lock import hold_run_lock
 
 log = logging.getLogger(__name__)
@@ -90,11 +89,15 @@ class Tally:
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, world: int, pool: NodePool, start: Starter, bind_host: str,
+    """`world` ranks on `pool`'s nodes, each attempt started by `start`; the run's events go to
+    `run_dir`, restarts resume from the newest checkpoint under `checkpoints`."""
+
+    def __init__(self, world: int, pool: NodePool, start: Starter, bind_host: str, *,
+                 supervisor: SupervisorConfig, spare_nodes: int, run_dir: Path, checkpoints: Path,
                  down: DownCheck = lambda hosts: {}, requeue: Requeue | None = None) -> None:
-        self.cfg, self.scfg, self.world, self.pool = cfg, cfg.supervisor, world, pool
+        self.scfg, self.spare_nodes, self.world, self.pool = supervisor, spare_nodes, world, pool
         self.start, self.bind_host, self.down, self.requeue = start, bind_host, down, requeue
-        self.run_dir = run_path(cfg)
+        self.run_dir, self.checkpoints = run_dir, checkpoints
         self.tally = Tally()
         self.past: PastFailure | None = None
         self._last_verdict: Verdict | None = None
@@ -124,7 +127,7 @@ class Supervisor:
 
     def _run(self) -> int:
         self.event("supervisor_start", world=self.world, hosts=self.pool.active, spares=self.pool.spares,
-                   knobs=_knobs(self.cfg))
+                   knobs={**dataclasses.asdict(self.scfg), "spare_nodes": self.spare_nodes})
         restarts = 0
         for number in range(self.scfg.max_restarts + 1):
             code, det = self._attempt(number)
@@ -152,7 +155,7 @@ class Supervisor:
             code = 128 + self.stop_signal
         code = self._end("stopped", code)
         why = signal.Signals(self.stop_signal).name if self.stop_signal else f"a stop request to the ranks (exit {code})"
-        latest = _latest_committed(self.cfg)
+        latest = latest_checkpoint_step(self.checkpoints)
         print(f"mshpc: stopped by {why}; latest checkpoint: {'none' if latest is None else f'step {latest}'} "
               "(the same command resumes from it)", file=sys.stderr)
         return code
@@ -312,7 +315,7 @@ class Supervisor:
         if restarts >= self.scfg.max_restarts:
             self.event("gave_up", reason=f"supervisor.max_restarts={self.scfg.max_restarts} restarts used")
             return False
-        latest = _latest_committed(self.cfg)
+        latest = latest_checkpoint_step(self.checkpoints)
         self.event("restart", attempt=restarts + 1, hosts=self.pool.active, latest_checkpoint=latest)
         log.warning("supervisor: restart %d of %d on %s from the latest good checkpoint (newest: %s)",
                     restarts + 1, self.scfg.max_restarts, ",".join(self.pool.active), latest)
@@ -333,7 +336,7 @@ class Supervisor:
             self.event("requeue", exclude=self.pool.evicted)
             self.requeued = self.requeue(self.pool.evicted)  # the job restarts elsewhere, not here
             return False
-        self.event("gave_up", reason=f"{host} evicted and no spare left (train.spare_nodes={self.cfg.train.spare_nodes})")
+        self.event("gave_up", reason=f"{host} evicted and no spare left (train.spare_nodes={self.spare_nodes})")
         return False
 
     # ---------------------------------------------------------------- the end
@@ -377,37 +380,27 @@ def _secs(values: list[float]) -> str:
     return ", ".join(f"{v:.1f} s" for v in values)
 
 
-def _knobs(cfg: Config) -> dict[str, Any]:
-    return {**dataclasses.asdict(cfg.supervisor), "spare_nodes": cfg.train.spare_nodes}
-
-
-def _latest_committed(cfg: Config) -> int | None:
-    from mshpc.launch.requeue import latest_checkpoint_step
-
-    return latest_checkpoint_step(cfg)
-
-
 # ---------------------------------------------------------------- local ranks on slots
 
 
-def slot_hosts(cfg: Config, nproc: int) -> tuple[list[str], int]:
+def slot_hosts(nproc: int, *, ranks_per_slot: int, spare_nodes: int) -> tuple[list[str], int]:
     """Local "nodes": slot0, slot1, ... of supervisor.ranks_per_slot ranks each, plus the spares;
     returns them and how many the ranks need."""
     from mshpc.errors import ConfigError
 
-    per = cfg.supervisor.ranks_per_slot
-    if nproc % per:
-        raise ConfigError(f"supervisor.ranks_per_slot={per} does not divide the {nproc} local ranks")
-    needed = nproc // per
-    return [f"slot{i}" for i in range(needed + cfg.train.spare_nodes)], needed
+    if nproc % ranks_per_slot:
+        raise ConfigError(f"supervisor.ranks_per_slot={ranks_per_slot} does not divide the {nproc} local ranks")
+    needed = nproc // ranks_per_slot
+    return [f"slot{i}" for i in range(needed + spare_nodes)], needed
 
 
-def supervise_local(cfg: Config, argv: list[str], nproc: int) -> int:
+def supervise_local(argv: list[str], nproc: int, *, supervisor: SupervisorConfig, spare_nodes: int,
+                    run_dir: Path, checkpoints: Path) -> int:
     """`mshpc train --nproc N`: N local ranks under the supervisor; returns the exit code."""
     from mshpc.launch.local import LocalRanks
 
-    hosts, needed = slot_hosts(cfg, nproc)
-    per = cfg.supervisor.ranks_per_slot
+    per = supervisor.ranks_per_slot
+    hosts, needed = slot_hosts(nproc, ranks_per_slot=per, spare_nodes=spare_nodes)
 
     def start(attempt: int, active: list[str], env: dict[str, str]) -> Ranks:
         # the first rank of each slot starts the slot's heartbeat relay (launch/node_relay.py)
@@ -415,7 +408,8 @@ def supervise_local(cfg: Config, argv: list[str], nproc: int) -> int:
                                                 "MSHPC_NODE_RELAY_START": "1" if r % per == 0 else "0"}
                                                for r in range(nproc)]))
 
-    sup = Supervisor(cfg, nproc, NodePool(hosts, needed, cfg.supervisor.evict_after), start, "127.0.0.1")
+    sup = Supervisor(nproc, NodePool(hosts, needed, supervisor.evict_after), start, "127.0.0.1",
+                     supervisor=supervisor, spare_nodes=spare_nodes, run_dir=run_dir, checkpoints=checkpoints)
     with stop_signals_to(sup.request_stop):
         return sup.run()
 

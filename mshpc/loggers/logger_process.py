@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mshpc import errors
-from mshpc.config import Config, from_dict, to_dict
+from mshpc.config import RunConfig, from_dict
 from mshpc.events import append_event
 
 log = logging.getLogger(__name__)
@@ -131,10 +131,11 @@ def read_status(fd: int, timeout_s: float) -> dict[str, Any] | None:
     return status
 
 
-def start_logger_process(cfg: Config, run_dir: Path, start_step: int,
+def start_logger_process(run_dir: Path, start_step: int, *, run: RunConfig, config_record: dict[str, Any],
                          timeout_s: float = START_TIMEOUT_S) -> LoggerProcess:
     """Start the child and wait until its loggers are built; one that cannot start raises its
-    one-line MshpcError here, before the first step."""
+    one-line MshpcError here, before the first step. `config_record`: the resolved config as
+    plain data (the child reads `run` from it, and W&B records it)."""
     rows_r, rows_w = os.pipe()
     status_r, status_w = os.pipe()
     with contextlib.suppress(OSError):  # Linux only; the default 64 KiB pipe also works
@@ -145,7 +146,7 @@ def start_logger_process(cfg: Config, run_dir: Path, start_step: int,
                             pass_fds=(rows_r, status_w))
     os.close(rows_r)
     os.close(status_w)
-    first = {"config": to_dict(cfg), "run_dir": str(run_dir), "start_step": start_step}
+    first = {"config": config_record, "run_dir": str(run_dir), "start_step": start_step}
     os.write(rows_w, (json.dumps(first) + "\n").encode())  # a few KiB: the empty pipe takes it
     os.set_blocking(rows_w, False)
     status = read_status(status_r, timeout_s)
@@ -157,9 +158,9 @@ def start_logger_process(cfg: Config, run_dir: Path, start_step: int,
     os.close(status_r)
     if status is None:
         raise errors.RunEnvironmentError(
-            f"run.loggers {list(cfg.run.loggers)}: the logger process did not start within {timeout_s:g} s"
+            f"run.loggers {list(run.loggers)}: the logger process did not start within {timeout_s:g} s"
             if code == -signal.SIGKILL else
-            f"run.loggers {list(cfg.run.loggers)}: the logger process exited with code {code} before it "
+            f"run.loggers {list(run.loggers)}: the logger process exited with code {code} before it "
             "was ready (its output is above)")
     raise as_error(status)
 
@@ -174,12 +175,12 @@ def as_error(status: dict[str, Any]) -> errors.MshpcError:
 
 # -- the child -----------------------------------------------------------------------------------
 
-def build_named(cfg: Config, run_dir: Path, start_step: int) -> list[Any]:
+def build_named(run_dir: Path, start_step: int, *, run: RunConfig, config_record: dict[str, Any]) -> list[Any]:
     """The loggers `run.loggers` names besides jsonl, built in order; on failure the ones already
     built are closed and the error raised."""
     built: list[Any] = []
     try:
-        for name in cfg.run.loggers:
+        for name in run.loggers:
             if name == "tensorboard":
                 from mshpc.loggers.tensorboard_log import TensorBoardLogger
 
@@ -187,7 +188,7 @@ def build_named(cfg: Config, run_dir: Path, start_step: int) -> list[Any]:
             elif name == "wandb":
                 from mshpc.loggers.wandb_log import WandbLogger
 
-                built.append(WandbLogger(cfg, run_dir, start_step))
+                built.append(WandbLogger(run_dir, start_step, run=run, config_record=config_record))
     except BaseException:
         for logger in built:
             logger.close()
@@ -240,13 +241,13 @@ def serve(rows_fd: int, status_fd: int) -> int:
         signal.signal(sig, lambda *_: None)
     with os.fdopen(rows_fd, "rb") as rows:
         first = json.loads(rows.readline())
-        cfg = from_dict(first["config"])
+        run = from_dict(first["config"]).run  # validated again: the pipe's data is checked like a file's
         try:  # at the rank's priority: a niced start-up on a busy node took minutes
-            loggers = build_named(cfg, Path(first["run_dir"]), first["start_step"])
+            loggers = build_named(Path(first["run_dir"]), first["start_step"], run=run, config_record=first["config"])
         except BaseException as exc:
             report_error(status_fd, exc)
             return 1
-        lower_priority(cfg.run.logger_nice_increment)
+        lower_priority(run.logger_nice_increment)
         report(status_fd, ready=True)
         try:
             for line in rows:

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from mshpc.config import Config
+from mshpc.config import RunConfig
 from mshpc.errors import writing_to
 from mshpc.events import EVENTS_FILE
 from mshpc.run_dir import MetricsLog
@@ -103,20 +103,22 @@ class Loggers:
             self.jsonl.close()
 
 
-def build_loggers(cfg: Config, run_dir: Path, jsonl: MetricsLog, start_step: int) -> Loggers:
+def build_loggers(run_dir: Path, jsonl: MetricsLog, start_step: int, *, run: RunConfig,
+                  config_record: dict[str, Any]) -> Loggers:
     """Start the loggers `run.loggers` names beside `jsonl`, in their own process
     (`logger_process.py`); one that cannot start (its package missing, its folder unwritable)
-    raises a one-line MshpcError with the fix."""
-    if set(cfg.run.loggers) == {"jsonl"}:
+    raises a one-line MshpcError with the fix. `config_record`: the resolved config as plain
+    data, which W&B records with the run."""
+    if set(run.loggers) == {"jsonl"}:
         return Loggers(jsonl, [], None)
     from mshpc.loggers.logger_process import start_logger_process
 
     try:
-        others: list[Logger] = [start_logger_process(cfg, run_dir, start_step)]
+        others: list[Logger] = [start_logger_process(run_dir, start_step, run=run, config_record=config_record)]
     except BaseException:
         jsonl.close()  # nothing half-started is left open
         raise
-    log.info("loggers: %s (in a process of their own)", ", ".join(cfg.run.loggers))
+    log.info("loggers: %s (in a process of their own)", ", ".join(run.loggers))
     return Loggers(jsonl, others, EventTail(run_dir))
 
 

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
-from mshpc.config import Config, to_dict
+from mshpc.config import RunConfig
 from mshpc.errors import ConfigError, RunEnvironmentError
 from mshpc.loggers.sinks import describe
 from mshpc.loggers.tensorboard_log import tag
@@ -47,7 +47,7 @@ class WandbLogger:
     """Rows as wandb history at their step; events as text (and a 1 under events/<kind>) with the
     next row. The run id is the run directory's, so a resumed attempt continues the same run."""
 
-    def __init__(self, cfg: Config, run_dir: Path, start_step: int) -> None:
+    def __init__(self, run_dir: Path, start_step: int, *, run: RunConfig, config_record: dict[str, Any]) -> None:
         try:
             import wandb
         except ImportError:
@@ -55,10 +55,10 @@ class WandbLogger:
         self.wandb = wandb
         # None leaves the choice to wandb (WANDB_MODE, its settings): online unless told otherwise
         mode: Literal["offline"] | None = None if reachable() else "offline"
-        run_id = f"{cfg.run.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+        run_id = f"{run.name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
         try:
-            self.run = wandb.init(project=cfg.run.wandb_project, name=cfg.run.name, id=run_id,
-                                  dir=str(run_dir), config=to_dict(cfg), mode=mode, resume="allow",
+            self.run = wandb.init(project=run.wandb_project, name=run.name, id=run_id,
+                                  dir=str(run_dir), config=config_record, mode=mode, resume="allow",
                                   # silent: one log line below says where it logs; console off:
                                   # no capture of the process's output, which every log line would pay
                                   settings=wandb.Settings(silent=True, console="off"))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mshpc.config import Config, ParallelConfig
+from mshpc.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mshpc.host_memory import keep_freed_host_memory
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
@@ -50,17 +50,20 @@ class Parallelized:
     loss_fn: LossFn  # the loss of what the split model returns (vocab-parallel logits under tp)
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] = frozenset()) -> Parallelized:
+def parallelize(model: nn.Module, mesh: Mesh, *, model_cfg: ModelConfig, parallel: ParallelConfig,
+                train: TrainConfig, optim: OptimConfig, tied: frozenset[str] = frozenset()) -> Parallelized:
     """Apply TP/SP, activation checkpointing, compilation and ZeRO to `model`, in that order;
     `tied`: see apply_zero. Collective over the tp and dp groups."""
     device = next(model.parameters()).device
     if device.type == "cpu":  # a CPU rank's step allocates its buffers on the host heap
         keep_freed_host_memory()
-    loss = apply_tp(model, mesh.tp, cfg.parallel) if mesh.shape.tp > 1 else loss_fn
-    apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
-    if cfg.train.compile:
-        apply_compile(_blocks(model), cfg.model.fused_kernels, device, fullgraph=mesh.shape.tp == 1)
-    return Parallelized(apply_zero(model, mesh, cfg, tied), loss)
+    loss = apply_tp(model, mesh.tp, parallel) if mesh.shape.tp > 1 else loss_fn
+    apply_activation_checkpointing(model, parallel.activation_checkpointing)
+    if train.compile:
+        apply_compile(_blocks(model), model_cfg.fused_kernels, device, fullgraph=mesh.shape.tp == 1)
+    engine = apply_zero(model, mesh, parallel=parallel, optim=optim, fused_kernels=model_cfg.fused_kernels,
+                        compiled=train.compile, tied=tied)
+    return Parallelized(engine, loss)
 
 
 # ---------------------------------------------------------------- tensor + sequence parallelism
@@ -178,15 +181,17 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 # ---------------------------------------------------------------- data parallelism
 
 
-def apply_zero(model: nn.Module, mesh: Mesh, cfg: Config, tied: frozenset[str] = frozenset()) -> ZeroEngine:
+def apply_zero(model: nn.Module, mesh: Mesh, *, parallel: ParallelConfig, optim: OptimConfig, fused_kernels: str,
+               compiled: bool, tied: frozenset[str] = frozenset()) -> ZeroEngine:
     """ZeRO-2 over the dp group; the clipping norm is summed over the model-parallel group too.
     `tied` names a pipeline stage's copy of a weight the other embedding stage holds too (the
-    tied embedding): its gradient is summed over the mesh's embed group."""
+    tied embedding): its gradient is summed over the mesh's embed group. `fused_kernels`
+    (model.fused_kernels) picks the optimizer's kernel; `compiled` (train.compile) blocks hook once each."""
     replicated = tp_replicated(model) if mesh.shape.tp > 1 else frozenset()
     copies = tp_copies(model) if mesh.shape.tp > 1 else {}
     mp = ModelParallel(tp=mesh.tp, replicated=replicated, norm=mesh.mp, tied=tied, tied_group=mesh.embed,
                        copies=copies)
     # the fused multi-tensor optimizer where the kernels built (chosen once per process, logged)
-    fused = select_kernels(cfg.model.fused_kernels).fused
-    units = tuple(_blocks(model)) if cfg.train.compile else ()  # compiled: one hook per block
-    return build_zero_engine(model, cfg.optim, cfg.parallel, mesh.dp, mp, fused=fused, hook_units=units)
+    fused = select_kernels(fused_kernels).fused
+    units = tuple(_blocks(model)) if compiled else ()  # compiled: one hook per block
+    return build_zero_engine(model, optim, parallel, mesh.dp, mp, fused=fused, hook_units=units)

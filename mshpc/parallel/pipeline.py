@@ -10,7 +10,6 @@ chunks (one per virtual stage) share those modules and are what the schedule run
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import cast
@@ -20,21 +19,22 @@ import torch.distributed as dist
 from torch import nn
 
 from mshpc.batch import Batch
-from mshpc.config import Config, ModelConfig
-from mshpc.diagnose.timers import BACKWARD, FORWARD, OPTIMIZER, phase
+from mshpc.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.diagnose.timers import BACKWARD, FORWARD, phase
 from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn, parallelize
 from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.schedules import LINKS, Action, Op, PipeShape, build_plan, link
+from mshpc.parallel.update import clipped_update
 from mshpc.parallel.zero import ZeroEngine
 
 TIED = ("tok_embeddings.weight", "lm_head.weight")  # the first stage's and the last stage's names
 
 
-def pipe_shape(cfg: Config) -> PipeShape:
+def pipe_shape(parallel: ParallelConfig, train: TrainConfig) -> PipeShape:
     """Micro-batches per step are train.grad_accum (Megatron's num_microbatches)."""
-    return PipeShape(cfg.parallel.pp, cfg.parallel.virtual_stages, cfg.train.grad_accum)
+    return PipeShape(parallel.pp, parallel.virtual_stages, train.grad_accum)
 
 
 # ---------------------------------------------------------------- the split
@@ -247,34 +247,33 @@ class Pipeline:
     runner: PipelineRunner
 
 
-def build_pipeline(cfg: Config, mesh: Mesh, device: torch.device, autocast: torch.dtype | None,
-                   whole: GPT | None = None) -> Pipeline:
+def build_pipeline(mesh: Mesh, device: torch.device, autocast: torch.dtype | None, whole: GPT | None = None, *,
+                   model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                   optim: OptimConfig) -> Pipeline:
     """Split the whole GPT (`whole`, or one drawn here; seeded by the caller: every rank draws the
     same weights), keep this rank's stages and apply the other parallelisms to them
     (apply.parallelize: TP/SP, recompute, ZeRO). Collective over the mesh."""
-    shape, rank = pipe_shape(cfg), mesh.coords.pp
-    model = stage_model(whole if whole is not None else GPT(cfg.model), shape, rank).to(device)
-    split = parallelize(model, mesh, cfg, tied_weights(cfg.model, shape, rank))
-    plan = build_plan(cfg.parallel.pp_schedule, shape, rank)
+    shape, rank = pipe_shape(parallel, train), mesh.coords.pp
+    model = stage_model(whole if whole is not None else GPT(model_cfg), shape, rank).to(device)
+    split = parallelize(model, mesh, model_cfg=model_cfg, parallel=parallel, train=train, optim=optim,
+                        tied=tied_weights(model_cfg, shape, rank))
+    plan = build_plan(parallel.pp_schedule, shape, rank)
     # between stages the residual stream, (b, s / tp, d) under sequence parallelism
-    act_shape = (cfg.train.micro_batch, cfg.model.seq_len // cfg.parallel.tp, cfg.model.d_model)
+    act_shape = (train.micro_batch, model_cfg.seq_len // parallel.tp, model_cfg.d_model)
     dtype = next(model.parameters()).dtype  # the residual stream's: fp32 under bf16 autocast too
-    runner = PipelineRunner(stage_chunks(model, shape, rank), plan, shape, build_links(mesh, cfg.parallel.virtual_stages),
+    runner = PipelineRunner(stage_chunks(model, shape, rank), plan, shape, build_links(mesh, parallel.virtual_stages),
                             split.engine, split.loss_fn, act_shape, dtype, autocast)
     return Pipeline(model, split.engine, runner)
 
 
-def pipeline_train_step(pipe: Pipeline, batch: Batch, cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
+def pipeline_train_step(pipe: Pipeline, batch: Batch, *, train: TrainConfig, optim: OptimConfig,
+                        parallel: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """train.train_step for a pipeline rank: one optimizer step over the rank's batch (grad_accum
     micro-batches). Collective over the world. Returns the loss averaged over the global batch
     (on every rank) and the global grad norm before clipping."""
-    micros = batch.split(cfg.train.micro_batch)  # tokens (micro_batch, seq_len + 1) each
+    micros = batch.split(train.micro_batch)  # tokens (micro_batch, seq_len + 1) each
     loss_sum = pipe.runner.run(micros)
-    # Only the last stage has a loss; a world all-reduce of a scalar reports it everywhere, and
-    # started before step() it overlaps the step's collectives.
-    loss_reduce = comm.all_reduce(loss_sum, async_op=True)
-    with phase(OPTIMIZER):
-        grad_norm = pipe.engine.step(cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf)
-    if loss_reduce is not None:
-        loss_reduce.wait()
-    return loss_sum / (cfg.world_size // cfg.parallel.pp), grad_norm
+    # Only the last stage has a loss, one copy per dp and tp rank there; a world all-reduce of a
+    # scalar reports it everywhere.
+    return clipped_update(pipe.engine, loss_sum, grad_clip=optim.grad_clip, loss_group=None,
+                          loss_terms=parallel.dp * parallel.tp)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mshpc.config import Config, validate
+from mshpc.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig, check_layout, global_batch
 from mshpc.errors import ConfigError
 from mshpc.parallel import comm
 from mshpc.plan.devices import DEVICES, DeviceSpec
@@ -41,19 +41,20 @@ CPU_LOCAL_BUSBW_GBPS = 1.5
 CPU_INTER_BUSBW_GBPS = 1.1
 
 
-def _layout_cfg(cfg: Config, lay: Layout) -> Config:
-    """`cfg` trained with layout `lay` (the global batch unchanged: dp * micro_batch * n_micro)."""
-    par = dataclasses.replace(cfg.parallel, dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages,
+def with_layout(parallel: ParallelConfig, train: TrainConfig, lay: Layout) -> tuple[ParallelConfig, TrainConfig]:
+    """The two sections trained with layout `lay` (the global batch unchanged: dp * micro_batch * n_micro)."""
+    par = dataclasses.replace(parallel, dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages,
                               activation_checkpointing=lay.checkpointing)
-    train = dataclasses.replace(cfg.train, micro_batch=lay.micro_batch, grad_accum=lay.n_micro)
-    return dataclasses.replace(cfg, parallel=par, train=train)
+    return par, dataclasses.replace(train, micro_batch=lay.micro_batch, grad_accum=lay.n_micro)
 
 
-def _engine_accepts(cfg: Config, lay: Layout) -> bool:
+def _engine_accepts(lay: Layout, *, model_cfg: ModelConfig, parallel: ParallelConfig, train: TrainConfig,
+                    optim: OptimConfig) -> bool:
     """Whether config validation takes this layout: the plan enumerates by divisibility alone,
     the engine also asks tp to divide seq_len and the kv heads, no tp with MLP biases, etc."""
+    par, tr = with_layout(parallel, train, lay)
     try:
-        validate(_layout_cfg(cfg, lay))
+        check_layout(model=model_cfg, parallel=par, train=tr, optim=optim)
     except ConfigError:
         return False
     return True
@@ -92,31 +93,34 @@ def _describe(lay: Layout) -> str:
             f"grad_accum {lay.n_micro} recompute {lay.checkpointing}")
 
 
-def _refusal(cfg: Config, world: int, dev: DeviceSpec, predictions: list[Prediction]) -> str:
+def _refusal(batch: int, world: int, dev: DeviceSpec, predictions: list[Prediction]) -> str:
     least = min(predictions, key=lambda p: p.memory.total)
     mem = least.memory
     return (f"parallel.layout=auto: none of the {len(predictions)} layouts of {world} ranks at the global "
-            f"batch of {cfg.global_batch} fits in {dev.memory_gib:.1f} GiB per rank ({dev.name}); the "
+            f"batch of {batch} fits in {dev.memory_gib:.1f} GiB per rank ({dev.name}); the "
             f"leanest ({_describe(least.layout)}) needs {mem.total / GIB:.1f} GiB (weights "
             f"{mem.weights / GIB:.1f}, grads {mem.grads / GIB:.1f}, optimizer {mem.optimizer / GIB:.1f}, "
             f"activations {mem.activations / GIB:.1f}); launch more ranks, or shrink the model or the batch")
 
 
-def choose_layout(cfg: Config, world: int, dev: DeviceSpec, ranks_per_node: int) -> Choice:
+def choose_layout(world: int, dev: DeviceSpec, ranks_per_node: int, *, model_cfg: ModelConfig,
+                  parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig) -> Choice:
     """The plan's fastest fitting layout of `world` ranks that the engine accepts, and the next
     one; a ConfigError with the plan's reason when no layout divides the batch or none fits."""
+    batch = global_batch(train, parallel)
     try:
-        every = plan(cfg, world, dev, ranks_per_node)
+        every = plan(world, dev, ranks_per_node, model_cfg=model_cfg, parallel=parallel, train=train)
     except ConfigError as exc:  # the world does not divide the batch: say which setting it was
         raise ConfigError(f"parallel.layout=auto on {world} ranks: {exc}") from None
-    predictions = [p for p in every if _engine_accepts(cfg, p.layout)]
+    predictions = [p for p in every
+                   if _engine_accepts(p.layout, model_cfg=model_cfg, parallel=parallel, train=train, optim=optim)]
     if not predictions:
         raise ConfigError(f"parallel.layout=auto: no layout of {world} ranks that the engine accepts divides "
-                          f"the global batch of {cfg.global_batch} sequences (model.n_head, model.n_layer, "
+                          f"the global batch of {batch} sequences (model.n_head, model.n_layer, "
                           f"model.seq_len); launch another number of ranks")
     ranked = rank_fitting(predictions)
     if not ranked:
-        raise ConfigError(_refusal(cfg, world, dev, predictions))
+        raise ConfigError(_refusal(batch, world, dev, predictions))
     return Choice(ranked[0], ranked[1] if len(ranked) > 1 else None, len(predictions), len(ranked))
 
 
@@ -135,10 +139,14 @@ def choice_line(choice: Choice, world: int, dev: DeviceSpec) -> str:
     return line + f"; {choice.fitting} of {choice.weighed} layouts fit"
 
 
-def fit_layout(cfg: Config, world: int, dev: DeviceSpec, ranks_per_node: int) -> tuple[Config, str]:
-    """`cfg` with the chosen layout, and the line that says so."""
-    choice = choose_layout(cfg, world, dev, ranks_per_node)
-    return _layout_cfg(cfg, choice.best.layout), choice_line(choice, world, dev)
+def fit_layout(world: int, dev: DeviceSpec, ranks_per_node: int, *, model_cfg: ModelConfig,
+               parallel: ParallelConfig, train: TrainConfig,
+               optim: OptimConfig) -> tuple[ParallelConfig, TrainConfig, str]:
+    """The parallel and train sections with the chosen layout, and the line that says so."""
+    choice = choose_layout(world, dev, ranks_per_node, model_cfg=model_cfg, parallel=parallel, train=train,
+                           optim=optim)
+    par, tr = with_layout(parallel, train, choice.best.layout)
+    return par, tr, choice_line(choice, world, dev)
 
 
 # ---------------------------------------------------------------- this rank's device

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mshpc.config import Config
+from mshpc.config import ModelConfig, ParallelConfig, TrainConfig
 from mshpc.errors import ConfigError
 
 Checkpointing = Literal["none", "selective", "full"]
@@ -46,12 +46,12 @@ def _virtual_stages(n_layer: int, pp: int, n_micro: int) -> list[int]:
     return [v for v in _divisors(n_layer // pp)]
 
 
-def enumerate_layouts(cfg: Config, gpus: int, gpus_per_node: int) -> list[Layout]:
+def enumerate_layouts(gpus: int, gpus_per_node: int, *, model_cfg: ModelConfig, global_batch: int) -> list[Layout]:
     """Every valid layout of `gpus` GPUs: tp divides n_head and stays within a node (its
     collectives need NVLink), pp * v divides n_layer, dp * micro_batch divides the global batch."""
     if gpus < 1 or gpus_per_node < 1:
         raise ConfigError(f"--gpus={gpus} and --gpus-per-node={gpus_per_node} must be >= 1")
-    m, batch = cfg.model, cfg.global_batch
+    m, batch = model_cfg, global_batch
     layouts = []
     for tp in (t for t in _divisors(m.n_head) if t <= gpus_per_node and gpus % t == 0):
         for pp in (p for p in _divisors(m.n_layer) if (gpus // tp) % p == 0):
@@ -68,7 +68,7 @@ def enumerate_layouts(cfg: Config, gpus: int, gpus_per_node: int) -> list[Layout
     return layouts
 
 
-def layout_of(cfg: Config) -> Layout:
+def layout_of(parallel: ParallelConfig, train: TrainConfig) -> Layout:
     """The layout a config trains with as written."""
-    p, t = cfg.parallel, cfg.train
+    p, t = parallel, train
     return Layout(p.dp, p.tp, p.pp, p.virtual_stages, t.micro_batch, t.grad_accum, p.activation_checkpointing)

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mshpc.config import Config
+from mshpc.config import ModelConfig, ParallelConfig, TrainConfig, global_batch
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout, enumerate_layouts, layout_of
 from mshpc.plan.memory import GIB, Memory, memory
@@ -31,14 +31,20 @@ class Prediction:
         }
 
 
-def predict(cfg: Config, layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> Prediction:
-    mem = memory(cfg.model, layout, schedule=cfg.parallel.pp_schedule, act_bytes=dev.act_bytes)
-    return Prediction(layout, mem, step_time(cfg, layout, dev, gpus_per_node), mem.total <= dev.memory_gib * GIB)
+def predict(layout: Layout, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig,
+            parallel: ParallelConfig) -> Prediction:
+    """Memory and step time of `model_cfg` trained with `layout`; `parallel` gives the overlap
+    settings and the pipeline schedule (its dp, tp and pp are the layout's)."""
+    mem = memory(model_cfg, layout, schedule=parallel.pp_schedule, act_bytes=dev.act_bytes)
+    time = step_time(layout, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel)
+    return Prediction(layout, mem, time, mem.total <= dev.memory_gib * GIB)
 
 
-def plan(cfg: Config, gpus: int, dev: DeviceSpec, gpus_per_node: int) -> list[Prediction]:
-    """Every valid layout, those that fit first, each group fastest first."""
-    predictions = [predict(cfg, lay, dev, gpus_per_node) for lay in enumerate_layouts(cfg, gpus, gpus_per_node)]
+def plan(gpus: int, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig, parallel: ParallelConfig,
+         train: TrainConfig) -> list[Prediction]:
+    """Every valid layout at the config's global batch, those that fit first, each group fastest first."""
+    layouts = enumerate_layouts(gpus, gpus_per_node, model_cfg=model_cfg, global_batch=global_batch(train, parallel))
+    predictions = [predict(lay, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel) for lay in layouts]
     return sorted(predictions, key=lambda p: (not p.fits, p.time.total_s))
 
 
@@ -64,10 +70,11 @@ def format_json(predictions: list[Prediction]) -> str:
     return "\n".join(json.dumps(p.to_json()) for p in predictions)
 
 
-def fit_warning(cfg: Config, device_memory_bytes: int, device_name: str) -> str | None:
+def fit_warning(device_memory_bytes: int, device_name: str, *, model_cfg: ModelConfig, parallel: ParallelConfig,
+                train: TrainConfig) -> str | None:
     """A one-line warning when the config's own layout will not fit on its device, else None.
     Activations are counted in bf16, the GPU default (train.dtype: auto)."""
-    mem = memory(cfg.model, layout_of(cfg), schedule=cfg.parallel.pp_schedule)
+    mem = memory(model_cfg, layout_of(parallel, train), schedule=parallel.pp_schedule)
     if mem.total <= device_memory_bytes:
         return None
     return (f"this layout needs about {mem.total / GIB:.1f} GiB per GPU on pipeline stage {mem.stage} "

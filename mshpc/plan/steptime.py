@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mshpc.config import Config, ModelConfig
+from mshpc.config import ModelConfig, ParallelConfig
 from mshpc.diagnose.mfu import attention_context, flops_per_token
 from mshpc.parallel.parallel_block import fusable
 from mshpc.plan.devices import DeviceSpec
@@ -78,9 +78,8 @@ def _collective_s(nbytes: float, size: int, factor: float, gbps: float) -> float
     return 0.0 if size == 1 else nbytes * factor / (gbps * 1e9)
 
 
-def stage_compute_s(cfg: Config, layout: Layout, dev: DeviceSpec) -> float:
+def stage_compute_s(m: ModelConfig, layout: Layout, dev: DeviceSpec) -> float:
     """Forward + backward of one micro-batch on the slowest (last: it has the logits) stage."""
-    m = cfg.model
     layer, logits = _per_token_flops(m)
     per_token = m.n_layer / layout.pp * (layer + _recompute_flops(m, layout.checkpointing, layer)) + logits
     return layout.micro_batch * m.seq_len * per_token / layout.tp / (dev.peak_tflops * 1e12 * dev.gemm_efficiency)
@@ -98,16 +97,16 @@ def tp_collectives_per_layer(m: ModelConfig, checkpointing: str, fused_block: bo
     return forward * (2 if checkpointing == "full" else 1) + backward
 
 
-def tp_exposed_s(cfg: Config, layout: Layout, dev: DeviceSpec, compute_s: float) -> float:
+def tp_exposed_s(m: ModelConfig, parallel: ParallelConfig, layout: Layout, dev: DeviceSpec, compute_s: float) -> float:
     """Sequence-parallel all-gathers and reduce-scatters of one micro-batch on one stage
     (`tp_collectives_per_layer` per layer), minus what the chunked overlap hides."""
-    m, t = cfg.model, layout.tp
-    per_layer = tp_collectives_per_layer(m, layout.checkpointing, cfg.parallel.tp_fused_block)
+    t = layout.tp
+    per_layer = tp_collectives_per_layer(m, layout.checkpointing, parallel.tp_fused_block)
     nbytes = layout.micro_batch * m.seq_len * m.d_model * dev.act_bytes
     comm = m.n_layer / layout.pp * per_layer * _collective_s(nbytes, t, (t - 1) / t, dev.intra_gbps)
-    if not cfg.parallel.tp_overlap:
+    if not parallel.tp_overlap:
         return comm
-    return max(comm / cfg.parallel.tp_overlap_chunks, comm - compute_s)
+    return max(comm / parallel.tp_overlap_chunks, comm - compute_s)
 
 
 def _dp_link_gbps(layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> float:
@@ -115,42 +114,45 @@ def _dp_link_gbps(layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> float:
     return dev.intra_gbps if layout.tp * layout.dp <= gpus_per_node else dev.inter_gbps
 
 
-def dp_exposed_s(cfg: Config, layout: Layout, dev: DeviceSpec, gpus_per_node: int, mb_s: float) -> float:
+def dp_exposed_s(m: ModelConfig, parallel: ParallelConfig, layout: Layout, dev: DeviceSpec, gpus_per_node: int,
+                 mb_s: float) -> float:
     """ZeRO-2 per step: reduce-scatter of the fp32 gradients, all-gather of the weights."""
-    params = max(stage_params(cfg.model, layout, s) for s in {0, layout.pp - 1})
+    params = max(stage_params(m, layout, s) for s in {0, layout.pp - 1})
     gbps, n = _dp_link_gbps(layout, dev, gpus_per_node), layout.dp
     rs = _collective_s(params * GRAD_BYTES, n, (n - 1) / n, gbps)
     ag = _collective_s(params * WEIGHT_BYTES, n, (n - 1) / n, gbps)
-    if not cfg.parallel.dp_overlap:
+    if not parallel.dp_overlap:
         return rs + ag
     return max(0.0, rs - mb_s * 2 / 3) + max(0.0, ag - mb_s / 3)
 
 
-def pp_exposed_s(cfg: Config, layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> float:
+def pp_exposed_s(m: ModelConfig, layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> float:
     """Fill and drain: every model-chunk boundary is crossed once by the first forward and once
     by the last backward; a transfer is one micro-batch's sequence-parallel activation shard."""
     if layout.pp == 1:
         return 0.0
-    m = cfg.model
     nbytes = layout.micro_batch * m.seq_len * m.d_model * dev.act_bytes / layout.tp
     # stage neighbours are dp * tp ranks apart
     gbps = dev.intra_gbps if layout.dp * layout.tp * layout.pp <= gpus_per_node else dev.inter_gbps
     return 2 * (layout.pp * layout.virtual_stages - 1) * _collective_s(nbytes, 2, 1.0, gbps)
 
 
-def step_time(cfg: Config, layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> StepTime:
-    compute = stage_compute_s(cfg, layout, dev)
-    mb_s = compute + tp_exposed_s(cfg, layout, dev, compute)
-    params = max(stage_params(cfg.model, layout, s) for s in {0, layout.pp - 1})
+def step_time(layout: Layout, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig,
+              parallel: ParallelConfig) -> StepTime:
+    """One optimizer step of `model_cfg` at `layout`, by part; `parallel`: the overlap settings."""
+    m = model_cfg
+    compute = stage_compute_s(m, layout, dev)
+    mb_s = compute + tp_exposed_s(m, parallel, layout, dev, compute)
+    params = max(stage_params(m, layout, s) for s in {0, layout.pp - 1})
     parts = dict(
         compute_s=layout.n_micro * compute,
         bubble_s=(layout.pp - 1) / layout.virtual_stages * mb_s,
         tp_s=layout.n_micro * (mb_s - compute),
-        pp_s=pp_exposed_s(cfg, layout, dev, gpus_per_node),
-        dp_s=dp_exposed_s(cfg, layout, dev, gpus_per_node, mb_s),
+        pp_s=pp_exposed_s(m, layout, dev, gpus_per_node),
+        dp_s=dp_exposed_s(m, parallel, layout, dev, gpus_per_node, mb_s),
         optimizer_s=params / layout.dp * OPTIMIZER_BYTES / (dev.hbm_gbps * 1e9),
     )
     total = sum(parts.values())
     sequences = layout.dp * layout.micro_batch * layout.n_micro  # the global batch
-    model_flops = flops_per_token(cfg.model) * sequences * cfg.model.seq_len
+    model_flops = flops_per_token(m) * sequences * m.seq_len
     return StepTime(**parts, mfu=model_flops / (total * layout.gpus * dev.peak_tflops * 1e12))

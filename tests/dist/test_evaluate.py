@@ -65,7 +65,7 @@ def test_resumed_run_writes_the_same_validation_rows(straight: Path, tmp_path: P
 def _evaluate_checkpoint(rank: int, world: int, layouts: list[list[str]]) -> list[list[float]]:
     """Each layout's validation loss of the step-4 checkpoint, twice, on this rank."""
     from mshpc.checkpoint.train_checkpoint import TrainCheckpointer
-    from mshpc.config import load_config, resolve_world
+    from mshpc.config import config_hash, load_config, resolve_world
     from mshpc.data.prepare import val_dataset_path
     from mshpc.data.shards import TokenDataset
     from mshpc.evaluate import build_evaluator
@@ -81,10 +81,14 @@ def _evaluate_checkpoint(rank: int, world: int, layouts: list[list[str]]) -> lis
         mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))
         engine, _ = build_model_step(cfg, mesh, Runtime(torch.device("cpu"), None, None))
         scheduler = build_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)
-        ckpt = TrainCheckpointer(cfg, Path(cfg.run.out_dir) / "checkpoints", rank, world, engine, scheduler)
+        run_dir = Path(cfg.run.out_dir)
+        ckpt = TrainCheckpointer(run_dir / "checkpoints", rank, engine, scheduler, run_dir=run_dir,
+                                 config_hash=config_hash(cfg), checkpoint=cfg.checkpoint, parallel=cfg.parallel,
+                                 train=cfg.train, data=cfg.data, model_cfg=cfg.model)
         assert ckpt.resume() == 4
         val = TokenDataset.open(val_dataset_path(cfg.data))
-        evaluator = build_evaluator(cfg, mesh, engine, val, torch.device("cpu"), None)
+        evaluator = build_evaluator(mesh, engine, val, torch.device("cpu"), None, eval_cfg=cfg.eval,
+                                    model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, data=cfg.data)
         out.append([evaluator.evaluate(), evaluator.evaluate()])
         evaluator.close()
         ckpt.close()

@@ -32,7 +32,7 @@ def joined_by_hand(parts: dict[str, np.ndarray], name: str) -> np.ndarray:
 
 def test_a_tp2_pp2_checkpoint_loads_whole_and_generates(run_dir):
     folder = step_dir(run_dir / "checkpoints", latest_step(run_dir / "checkpoints"))
-    model = load_model(folder, load_config(run_dir / "config.yaml"))
+    model = load_model(folder, load_config(run_dir / "config.yaml").model)
     parts = final_params(run_dir / "checkpoints")
     assert {n for n in parts if "@tp" in n} and model.layers["1"].attn.qkv.weight.shape == ((4 + 2) * 16, 64)
     for name, p in model.named_parameters():
@@ -45,7 +45,7 @@ def test_a_tp2_pp2_checkpoint_loads_whole_and_generates(run_dir):
 
 
 def test_the_cache_is_what_full_recomputation_gives_on_trained_weights(run_dir):
-    model = load_model(step_dir(run_dir / "checkpoints", 4), load_config(run_dir / "config.yaml"))
+    model = load_model(step_dir(run_dir / "checkpoints", 4), load_config(run_dir / "config.yaml").model)
     opts = SampleOptions(max_new_tokens=20, temperature=0.8, top_k=20, seed=3)
     torch.manual_seed(0)
     assert decode(model, list(b"import "), opts) == decode(model, list(b"import "), opts, cache=False)

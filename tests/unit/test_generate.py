@@ -8,7 +8,7 @@ import torch
 from support.ckpt_runs import sharded_checkpoint
 
 from mshpc.cli import main
-from mshpc.config import Config, ModelConfig
+from mshpc.config import ModelConfig
 from mshpc.errors import CheckpointError, ConfigError
 from mshpc.generate import SampleOptions, decode, generate, load_model, next_token
 from mshpc.model.attention import KVCache
@@ -144,9 +144,8 @@ def test_generate_from_a_run_directory_with_a_bpe_tokenizer(tmp_path):
 def test_load_model_reads_the_model_copy_and_names_a_weight_the_config_does_not_fit(tmp_path):
     saved = model("parallel-window-3-gqa")
     sharded_checkpoint(tmp_path, {}, n_shards=1, whole={f"model/{n}": (p.detach(), 0) for n, p in saved.named_parameters()})
-    cfg = Config(model=saved.cfg)
-    loaded = load_model(tmp_path, cfg)
+    loaded = load_model(tmp_path, saved.cfg)
     assert not loaded.training
     assert all(torch.equal(p, dict(saved.named_parameters())[n]) for n, p in loaded.named_parameters())
     with pytest.raises(CheckpointError, match=r"model/layers\.0\.attn\.qkv\.weight is \[64, 32\] but the run's config has \[96, 32\]"):
-        load_model(tmp_path, Config(model=dataclasses.replace(saved.cfg, n_kv_head=4)))
+        load_model(tmp_path, dataclasses.replace(saved.cfg, n_kv_head=4))

@@ -15,4 +15,4 @@ def test_interval_zero_never_saves_not_even_at_the_end():
 
 def test_built_from_the_checkpoint_and_train_sections():
     cfg = load_config(None, ["checkpoint.interval_steps=3", "train.steps=7"])
-    assert SaveSchedule.from_config(cfg) == SaveSchedule(interval_steps=3, last_step=7)
+    assert SaveSchedule.of(checkpoint=cfg.checkpoint, train=cfg.train) == SaveSchedule(interval_steps=3, last_step=7)

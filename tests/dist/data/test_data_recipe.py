@@ -43,7 +43,7 @@ def test_training_adopts_the_datasets_tokenizer_and_generate_speaks_it(recipe: d
     tok = build_tokenizer(str(recipe["tok"]))
     folder, cfg = find_checkpoint(run)
     prompt = tok.encode("def f").tolist()
-    new = decode(load_model(folder, cfg), prompt, SampleOptions(max_new_tokens=12, greedy=True),
+    new = decode(load_model(folder, cfg.model), prompt, SampleOptions(max_new_tokens=12, greedy=True),
                  stop_id=tok.eos_id, vocab=tok.vocab_size)
     assert done.stdout.rstrip("\n") == tok.decode(prompt + new) and "\ufffd" not in done.stdout
 

@@ -25,7 +25,7 @@ FAST = ["train.cpu_threads=1", "run.progress=lines", "supervisor.max_restarts=0"
 def checkpoint_logits(run_dir, idx):
     """The logits of the whole model in the run's latest checkpoint (its model/ copy, joined)."""
     run_dir, cfg = run_config(run_dir, None)
-    folder = find_checkpoint(run_dir, run_dir, cfg)
+    folder = find_checkpoint(run_dir, run_dir, cfg.checkpoint)
     weights = check_shapes(read_model_copy(folder), cfg.model, folder)
     model = GPT(cfg.model)
     with torch.no_grad():

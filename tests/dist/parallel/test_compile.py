@@ -75,8 +75,9 @@ def train(layout: str, data: str, compile: bool) -> dict:
     dataset = TokenDataset.open(Path(data))
     reader = WindowReader(dataset, SequenceSampler(dataset.n_tokens, TINY.seq_len, cfg.global_batch, 0),
                           cfg.parallel.dp, None)
-    evaluator = build_evaluator(cfg, mesh, engine, TokenDataset.open(val_dataset_path(cfg.data)),
-                                torch.device("cpu"), None)
+    evaluator = build_evaluator(mesh, engine, TokenDataset.open(val_dataset_path(cfg.data)), torch.device("cpu"),
+                                None, eval_cfg=cfg.eval, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train,
+                                data=cfg.data)
     out: dict = {"losses": [], "val": [], "graphs": []}
     start = graphs(), compile_seconds()
     for step in range(STEPS):

@@ -67,14 +67,15 @@ def train_case(rank: int, cfg: Config) -> dict:
     mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))
     coords = mesh.coords
     torch.manual_seed(0)
-    pipe = build_pipeline(cfg, mesh, torch.device("cpu"), None)
+    pipe = build_pipeline(mesh, torch.device("cpu"), None, model_cfg=cfg.model, parallel=cfg.parallel,
+                          train=cfg.train, optim=cfg.optim)
     initial = {n: q.detach().clone() for n, q in pipe.model.named_parameters()}
     per_rank = GLOBAL_BATCH // p.dp
     losses, norms = [], []
     for step in range(STEPS):
         local = batch(step)[coords.dp * per_rank:(coords.dp + 1) * per_rank]
         before = comm.RECORDER.snapshot()[-1].seq
-        loss, norm = pipeline_train_step(pipe, Batch(local), cfg)
+        loss, norm = pipeline_train_step(pipe, Batch(local), train=cfg.train, optim=cfg.optim, parallel=cfg.parallel)
         losses.append(loss.item())
         norms.append(norm.item())
     p2p = [r.op[:4] for r in comm.RECORDER.snapshot() if r.seq > before and r.op[:4] in ("send", "recv")]

@@ -113,7 +113,8 @@ def cases(rank: int, world: int, tp: int) -> dict:
     for name in CASES:
         cfg = config(name, tp, shape.dp)
         torch.manual_seed(0)
-        split = parallelize(GPT(cfg.model), mesh, cfg)
+        split = parallelize(GPT(cfg.model), mesh, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train,
+                            optim=cfg.optim)
         losses, norms = train_split(split, cfg, mesh.coords.dp)
         ref_model, _, ref_losses, ref_norms = train_single_rank(cfg.model, cfg.optim, batch, STEPS)
         ref = dict(ref_model.named_parameters())

@@ -47,7 +47,7 @@ def _imported_logits(tmp_path, hf_dir, idx):
     cfg = import_config(hf_dir, tmp_path / "imported.yaml")
     reloaded = load_config(tmp_path / "imported.yaml")
     assert reloaded == cfg and reloaded.train.init_from == str(hf_dir.resolve())
-    return cfg, mshpc_logits(initial_model(reloaded), idx)
+    return cfg, mshpc_logits(initial_model(reloaded.model, reloaded.train.init_from), idx)
 
 
 @pytest.mark.parametrize("make, parallel, mlp_biases", [
@@ -99,7 +99,7 @@ def test_import_refuses_partial_rotary_and_attention_biases(tmp_path):
     cfg = import_config(biased, tmp_path / "out.yaml")
     with pytest.raises(InteropError, match=r"gpt_neox.layers.1.attention.dense.bias is not zero, and mshpc's "
                                            "attention has no biases"):
-        initial_model(cfg)
+        initial_model(cfg.model, cfg.train.init_from)
 
 
 def test_import_reads_no_pickle(tmp_path):
@@ -114,10 +114,11 @@ def test_init_from_refuses_a_config_of_another_model(tmp_path):
     import_config(hf_dir, tmp_path / "out.yaml")
     cfg = load_config(tmp_path / "out.yaml", ["model.d_model=64", "model.seq_len=16"])
     with pytest.raises(InteropError, match="config.json gives d_model=32 but the config has model.d_model=64"):
-        initial_model(cfg)
+        initial_model(cfg.model, cfg.train.init_from)
     shorter = load_config(tmp_path / "out.yaml", ["model.seq_len=16"])  # seq_len is the run's to choose
-    assert torch.equal(initial_model(shorter).tok_embeddings.weight,
-                       initial_model(load_config(tmp_path / "out.yaml")).tok_embeddings.weight)
+    written = load_config(tmp_path / "out.yaml")
+    assert torch.equal(initial_model(shorter.model, shorter.train.init_from).tok_embeddings.weight,
+                       initial_model(written.model, written.train.init_from).tok_embeddings.weight)
 
 
 def test_cli_import_then_export_round_trips(tmp_path, capsys):
@@ -128,7 +129,7 @@ def test_cli_import_then_export_round_trips(tmp_path, capsys):
     assert main(["import", str(hf_dir), "--out", str(tmp_path / "llama.yaml")]) == 0
     assert "train.init_from: " + str(hf_dir.resolve()) in capsys.readouterr().out
     cfg = load_config(tmp_path / "llama.yaml")
-    checkpoint_run(tmp_path / "run", cfg, initial_model(cfg))
+    checkpoint_run(tmp_path / "run", cfg, initial_model(cfg.model, cfg.train.init_from))
     assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "out"), "--max-shard-mb", "0.05"]) == 0
     assert "as LlamaForCausalLM" in capsys.readouterr().out
     idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))

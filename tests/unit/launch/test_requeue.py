@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from mshpc import cli
-from mshpc.config import load_config
+from mshpc.config import SlurmConfig
 from mshpc.launch import requeue as rq
 from mshpc.launch.env import read_launch_env
 
@@ -48,8 +48,8 @@ def test_guard_check_rejects_a_bad_config_with_the_do_not_requeue_code(tmp_path,
 
 
 def test_after_success_marks_the_run_finished(tmp_path):
-    cfg = load_config(None, [f"run.out_dir={tmp_path}"])
-    rq.after_exit(0, cfg, read_launch_env({"SLURM_JOB_ID": "77"}))
+    rq.after_exit(0, read_launch_env({"SLURM_JOB_ID": "77"}), slurm=SlurmConfig(), run_dir=tmp_path / "run",
+                  checkpoints=tmp_path / "run" / "checkpoints")
     assert rq.finished_by(tmp_path / "run", "77")
 
 
@@ -60,9 +60,9 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def test_watcher_turns_the_preempt_signal_into_a_requeue_at_the_step_boundary(one_rank):
-    cfg = load_config(None)
-    with rq.watch_signals(cfg, read_launch_env(SRUN)) as watcher:
+def test_watcher_turns_the_preempt_signal_into_a_requeue_at_the_step_boundary(one_rank, tmp_path):
+    with rq.watch_signals(read_launch_env(SRUN), slurm=SlurmConfig(), run_dir=tmp_path,
+                          checkpoints=tmp_path / "checkpoints") as watcher:
         assert watcher.should_stop() is None
         os.kill(os.getpid(), signal.SIGTERM)  # scancel: stop, no requeue
         assert watcher.should_stop() == rq.StopRequest(signal.SIGTERM, requeue=False)
@@ -73,11 +73,11 @@ def test_watcher_turns_the_preempt_signal_into_a_requeue_at_the_step_boundary(on
 
 
 def test_outside_slurm_sigterm_keeps_its_default_and_stop_raises_system_exit(one_rank, tmp_path):
-    cfg = load_config(None, ["slurm.preempt_signal=USR1", f"run.out_dir={tmp_path}"])
-    with rq.watch_signals(cfg, read_launch_env({})) as watcher:
+    with rq.watch_signals(read_launch_env({}), slurm=SlurmConfig(preempt_signal="USR1"), run_dir=tmp_path / "run",
+                          checkpoints=tmp_path / "run" / "checkpoints") as watcher:
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
         os.kill(os.getpid(), signal.SIGUSR1)
         request = watcher.should_stop()
         with pytest.raises(rq.JobStopped) as stopped:
-            watcher.stop(request, 0, cfg)  # not under Slurm: nothing to requeue, just stop
+            watcher.stop(request, 0)  # not under Slurm: nothing to requeue, just stop
     assert isinstance(stopped.value, SystemExit) and stopped.value.code == 128 + signal.SIGUSR1

@@ -13,6 +13,7 @@ from mshpc.launch.heartbeat import Heartbeat
 from mshpc.launch.monitor import RankState
 from mshpc.launch.recovery import NodePool
 from mshpc.launch.supervisor import USER_ERROR_EXIT, Supervisor, useful_step_seconds
+from mshpc.run_dir import run_path
 from mshpc.save_schedule import SaveSchedule
 
 
@@ -68,7 +69,8 @@ def start(attempt: int, hosts: list[str], env: dict[str, str]) -> FailingRank:
 
 def test_a_full_disk_is_not_retried_and_its_line_comes_last(tmp_path, capsys):
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=env", "supervisor.max_restarts=2"])
-    supervisor = Supervisor(cfg, 1, NodePool(["h", "spare"], 1, 1), start, "127.0.0.1")
+    supervisor = Supervisor(1, NodePool(["h", "spare"], 1, 1), start, "127.0.0.1", supervisor=cfg.supervisor, spare_nodes=cfg.train.spare_nodes,
+                            run_dir=run_path(cfg.run), checkpoints=run_path(cfg.run) / "checkpoints")
     assert supervisor.run() == USER_ERROR_EXIT
     evs = [json.loads(line) for line in (tmp_path / "env" / EVENTS_FILE).read_text().splitlines()]
     kinds = [e["kind"] for e in evs]

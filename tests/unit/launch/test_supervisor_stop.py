@@ -18,6 +18,7 @@ from mshpc.launch.monitor import RankState
 from mshpc.launch.recovery import NodePool
 from mshpc.launch.requeue import JobStopped
 from mshpc.launch.supervisor import Supervisor
+from mshpc.run_dir import run_path
 from mshpc.save_schedule import SaveSchedule
 
 
@@ -60,7 +61,8 @@ def run_signalled(tmp_path, training: bool, signal_at_s: list[float]) -> tuple[S
         ranks.append(StuckRank(SupervisorLink(host, int(port), env["MSHPC_SUPERVISOR_TOKEN"], attempt), training))
         return ranks[-1]
 
-    supervisor = Supervisor(cfg, 1, NodePool(["h"], 1, cfg.supervisor.evict_after), start, "127.0.0.1")
+    supervisor = Supervisor(1, NodePool(["h"], 1, cfg.supervisor.evict_after), start, "127.0.0.1", supervisor=cfg.supervisor, spare_nodes=cfg.train.spare_nodes,
+                            run_dir=run_path(cfg.run), checkpoints=run_path(cfg.run) / "checkpoints")
     for at in signal_at_s:
         threading.Timer(at, supervisor.request_stop, args=(signal.SIGTERM,)).start()
     with pytest.raises(JobStopped) as stopped:

@@ -13,6 +13,7 @@ from mshpc.launch.heartbeat import Heartbeat
 from mshpc.launch.monitor import RankState
 from mshpc.launch.recovery import NodePool
 from mshpc.launch.supervisor import Supervisor
+from mshpc.run_dir import run_path
 from mshpc.save_schedule import SaveSchedule
 
 BEAT_S = 600.0  # no periodic beat comes while an attempt runs: only the first, sent before any step
@@ -65,7 +66,8 @@ def start(attempt: int, hosts: list[str], env: dict[str, str]) -> ThreadRank:
 
 def test_resumed_comes_before_recovered_whatever_the_beat_interval(tmp_path):
     cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=story", f"supervisor.heartbeat_interval_s={BEAT_S}"])
-    supervisor = Supervisor(cfg, 1, NodePool(["h"], 1, cfg.supervisor.evict_after), start, "127.0.0.1")
+    supervisor = Supervisor(1, NodePool(["h"], 1, cfg.supervisor.evict_after), start, "127.0.0.1", supervisor=cfg.supervisor, spare_nodes=cfg.train.spare_nodes,
+                            run_dir=run_path(cfg.run), checkpoints=run_path(cfg.run) / "checkpoints")
     assert supervisor.run() == 0
     evs = [json.loads(line) for line in (tmp_path / "story" / EVENTS_FILE).read_text().splitlines()]
     kinds = [e["kind"] for e in evs]

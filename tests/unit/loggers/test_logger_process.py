@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mshpc.config import load_config
+from mshpc.config import load_config, to_dict
 from mshpc.errors import RunEnvironmentError
 from mshpc.events import append_event, read_jsonl
 from mshpc.loggers.logger_process import LOST_EVENT, LoggerProcess, start_logger_process, tasks
@@ -33,7 +33,9 @@ def scalars(folder: Path, tag: str) -> list[tuple[int, float]]:
 
 def test_rows_arrive_in_order_past_a_full_pipe_and_through_signals(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
-    loggers = build_loggers(load_config(None, TB), tmp_path, MetricsLog(tmp_path / "metrics.jsonl", 0), 0)
+    cfg = load_config(None, TB)
+    loggers = build_loggers(tmp_path, MetricsLog(tmp_path / "metrics.jsonl", 0), 0, run=cfg.run,
+                            config_record=to_dict(cfg))
     child = loggers.others[0]
     assert isinstance(child, LoggerProcess)
     # The child is stopped while the rows are written, so the pipe surely fills whatever the
@@ -63,7 +65,9 @@ def test_a_niced_logger_process_that_dies_costs_one_warning_not_the_run(tmp_path
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("tensorboard", reason="the test extra installs tensorboard")
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    loggers = build_loggers(load_config(None, TB), tmp_path, MetricsLog(tmp_path / "metrics.jsonl", 0), 0)
+    cfg = load_config(None, TB)
+    loggers = build_loggers(tmp_path, MetricsLog(tmp_path / "metrics.jsonl", 0), 0, run=cfg.run,
+                            config_record=to_dict(cfg))
     child = loggers.others[0]
     assert isinstance(child, LoggerProcess)
     loggers.write({"step": 1, "loss": 1.0})  # TensorBoard's writer thread exists by now
@@ -87,5 +91,5 @@ def test_a_niced_logger_process_that_dies_costs_one_warning_not_the_run(tmp_path
 def test_a_logger_process_that_does_not_start_in_time_is_one_line(tmp_path: Path) -> None:
     cfg = load_config(None, TB)
     with pytest.raises(RunEnvironmentError, match=r"the logger process did not start within 0.01 s") as info:
-        start_logger_process(cfg, tmp_path, 0, timeout_s=0.01)  # an interpreter takes longer to start
+        start_logger_process(tmp_path, 0, run=cfg.run, config_record=to_dict(cfg), timeout_s=0.01)  # an interpreter takes longer to start
     assert "\n" not in str(info.value)

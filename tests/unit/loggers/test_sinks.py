@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mshpc.config import load_config
+from mshpc.config import load_config, to_dict
 from mshpc.errors import RunEnvironmentError
 from mshpc.events import append_event, read_jsonl
 from mshpc.loggers.sinks import EventTail, Loggers, build_loggers
@@ -74,7 +74,7 @@ def test_unwritable_tensorboard_folder_is_one_line_at_start(tmp_path: Path) -> N
     cfg = load_config(None, ["run.loggers=[jsonl,tensorboard]"])
     metrics = MetricsLog(tmp_path / "metrics.jsonl", 0)
     with pytest.raises(RunEnvironmentError, match=r"run.loggers 'tensorboard': cannot write .*tb") as info:
-        build_loggers(cfg, tmp_path, metrics, 0)
+        build_loggers(tmp_path, metrics, 0, run=cfg.run, config_record=to_dict(cfg))
     assert "\n" not in str(info.value)
 
 
@@ -87,12 +87,13 @@ def test_missing_package_names_the_install_command(tmp_path: Path) -> None:
         "import sys; sys.modules['torch.utils.tensorboard'] = None; sys.modules['wandb'] = None\n")
     code = (
         "from pathlib import Path\n"
-        "from mshpc.config import load_config\nfrom mshpc.errors import ConfigError\n"
+        "from mshpc.config import load_config, to_dict\nfrom mshpc.errors import ConfigError\n"
         "from mshpc.loggers.sinks import build_loggers\nfrom mshpc.run_dir import MetricsLog\n"
         f"tmp = Path({str(tmp_path)!r})\n"
         "for name in ('tensorboard', 'wandb'):\n"
         "    try:\n"
-        "        build_loggers(load_config(None, [f'run.loggers=[jsonl,{name}]']), tmp, MetricsLog(tmp / 'm.jsonl', 0), 0)\n"
+        "        cfg = load_config(None, [f'run.loggers=[jsonl,{name}]'])\n"
+        "        build_loggers(tmp, MetricsLog(tmp / 'm.jsonl', 0), 0, run=cfg.run, config_record=to_dict(cfg))\n"
         "    except ConfigError as exc:\n"
         "        print(exc)\n"
     )

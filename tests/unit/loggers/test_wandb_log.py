@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mshpc.config import load_config
+from mshpc.config import load_config, to_dict
 from mshpc.loggers.wandb_log import WandbLogger, reachable
 
 
@@ -20,7 +20,7 @@ def test_offline_run_folder_holds_the_rows(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = load_config(None, ["run.loggers=[jsonl,wandb]", "run.name=w"])
     start = time.perf_counter()
-    logger = WandbLogger(cfg, tmp_path, 0)
+    logger = WandbLogger(tmp_path, 0, run=cfg.run, config_record=to_dict(cfg))
     for step in (1, 2, 3):
         logger.write({"step": step, "loss": 5.0 - step, "val_loss": None, "mfu": float("nan")})
     logger.event({"kind": "straggler", "rank": 1, "time": 0.0}, 3)

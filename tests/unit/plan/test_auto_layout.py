@@ -27,12 +27,20 @@ M125 = REPO / "configs/gpt-125m.yaml"
 H100 = DEVICES["h100"]
 
 
+def sections(cfg):
+    return dict(model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, optim=cfg.optim)
+
+
+def plan_sections(cfg):
+    return dict(model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train)
+
+
 def test_the_choice_is_the_fastest_layout_that_fits_and_the_runner_up_the_next():
     cfg = load_config(M125, ["parallel.layout=auto", "train.micro_batch=16", "train.grad_accum=1"])  # batch 16
     dev = dataclasses.replace(H100, memory_gib=5.0)  # the fastest layout needs 5.7 GiB
-    every = plan(cfg, 8, dev, 8)
+    every = plan(8, dev, 8, **plan_sections(cfg))
     assert not every[-1].fits and not min(every, key=lambda p: p.time.total_s).fits
-    choice = choose_layout(cfg, 8, dev, 8)
+    choice = choose_layout(8, dev, 8, **sections(cfg))
     assert choice.best.fits and choice.best.memory.total <= 5.0 * GIB
     fitting = sorted((p for p in every if p.fits), key=lambda p: p.time.total_s)
     assert choice.best.time.total_s == pytest.approx(fitting[0].time.total_s, rel=TIE)
@@ -43,8 +51,8 @@ def test_the_choice_is_the_fastest_layout_that_fits_and_the_runner_up_the_next()
 
 def test_a_bigger_device_gets_a_layout_at_least_as_fast():
     cfg = load_config(M125, ["parallel.layout=auto", "train.micro_batch=16"])
-    small = choose_layout(cfg, 8, dataclasses.replace(H100, memory_gib=5.0), 8).best
-    big = choose_layout(cfg, 8, H100, 8).best
+    small = choose_layout(8, dataclasses.replace(H100, memory_gib=5.0), 8, **sections(cfg)).best
+    big = choose_layout(8, H100, 8, **sections(cfg)).best
     assert big.time.total_s <= small.time.total_s
     assert small.layout != big.layout  # the small device really constrained the choice
 
@@ -53,7 +61,8 @@ def test_fit_layout_keeps_the_global_batch_and_fills_the_world():
     cfg = load_config(TINY, ["parallel.layout=auto", "parallel.dp=1", "parallel.tp=2",
                              "train.micro_batch=4", "train.grad_accum=4"])  # global batch 16
     for world in (1, 2, 4, 8):
-        fitted, line = fit_layout(cfg, world, H100, 8)
+        parallel, train, line = fit_layout(world, H100, 8, **sections(cfg))
+        fitted = dataclasses.replace(cfg, parallel=parallel, train=train)
         p = fitted.parallel
         assert p.dp * p.tp * p.pp == world
         assert fitted.global_batch == 16
@@ -66,7 +75,7 @@ def test_fit_layout_keeps_the_global_batch_and_fills_the_world():
 def test_nothing_fits_is_one_line_with_the_plans_reason():
     cfg = load_config(REPO / "configs/gpt-175b.yaml", ["parallel.layout=auto"])
     with pytest.raises(ConfigError) as err:
-        choose_layout(cfg, 8, H100, 8)
+        choose_layout(8, H100, 8, **sections(cfg))
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith("parallel.layout=auto: none of the") and "of 8 ranks" in msg
@@ -78,7 +87,7 @@ def test_a_world_that_divides_no_batch_is_refused():
     cfg = load_config(TINY, ["parallel.layout=auto"])  # global batch 16, 4 heads, 4 layers
     with pytest.raises(ConfigError, match=r"parallel.layout=auto on 3 ranks: no layout of 3 GPUs divides the "
                                           r"global batch of 16"):
-        choose_layout(cfg, 3, H100, 8)
+        choose_layout(3, H100, 8, **sections(cfg))
 
 
 def test_layouts_the_engine_refuses_are_never_chosen():
@@ -86,12 +95,12 @@ def test_layouts_the_engine_refuses_are_never_chosen():
     # divide seq_len=33: the plan enumerates it, config validation refuses it
     cfg = load_config(TINY, ["parallel.layout=auto", "parallel.dp=1", "train.micro_batch=1",
                              "model.n_layer=3", "model.seq_len=33"])
-    assert plan(cfg, 2, H100, 8)
+    assert plan(2, H100, 8, **plan_sections(cfg))
     with pytest.raises(ConfigError, match="no layout of 2 ranks that the engine accepts"):
-        choose_layout(cfg, 2, H100, 8)
+        choose_layout(2, H100, 8, **sections(cfg))
     # a model with MLP biases takes no tp, so 2 ranks go to dp even where tp would be predicted faster
     biased = load_config(TINY, ["parallel.layout=auto", "model.mlp_bias=true"])
-    assert choose_layout(biased, 2, H100, 8).best.layout.tp == 1
+    assert choose_layout(2, H100, 8, **sections(biased)).best.layout.tp == 1
 
 
 def _prediction(template, layout, seconds):
@@ -102,7 +111,7 @@ def _prediction(template, layout, seconds):
 
 @pytest.mark.parametrize("slower_by,simple_wins", [(0.0, True), (1e-12, True), (1e-6, False), (0.005, False)])
 def test_equal_times_go_to_the_simpler_layout_and_any_faster_one_wins(slower_by, simple_wins):
-    template = plan(load_config(TINY), 2, H100, 8)[0]
+    template = plan(2, H100, 8, **plan_sections(load_config(TINY)))[0]
     simple = Layout(2, 1, 1, 1, 8, 1, "none")
     complex_ = Layout(1, 2, 1, 1, 8, 2, "none")
     ranked = rank_fitting([_prediction(template, complex_, 1.0), _prediction(template, simple, 1.0 + slower_by)])
@@ -121,7 +130,7 @@ def test_equal_predictions_take_the_largest_micro_batch_without_recomputation():
     # on 2 CPU ranks the tiny model's dp layouts differ only in micro-batch: equal predicted times
     cfg = load_config(TINY, ["parallel.layout=auto"])
     dev = cpu_spec(16 * GIB, 2, 1, act_bytes=4)
-    best = choose_layout(cfg, 2, dev, 2).best.layout
+    best = choose_layout(2, dev, 2, **sections(cfg)).best.layout
     assert (best.dp, best.tp, best.pp, best.micro_batch, best.n_micro, best.checkpointing) == (2, 1, 1, 8, 1, "none")
 
 

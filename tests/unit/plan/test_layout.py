@@ -14,7 +14,7 @@ TINY = REPO / "configs/tiny.yaml"
 
 def test_every_layout_is_one_the_config_accepts():
     cfg = load_config(TINY, ["train.grad_accum=4"])  # global batch 8 * 4 * 2 = 64
-    layouts = enumerate_layouts(cfg, gpus=8, gpus_per_node=4)
+    layouts = enumerate_layouts(gpus=8, gpus_per_node=4, model_cfg=cfg.model, global_batch=cfg.global_batch)
     assert layouts
     for lay in layouts:
         assert lay.gpus == 8 and lay.dp * lay.micro_batch * lay.n_micro == 64
@@ -31,14 +31,16 @@ def test_every_layout_is_one_the_config_accepts():
 def test_no_layout_is_a_clear_error():
     cfg = load_config(TINY, ["train.micro_batch=1", "parallel.dp=1"])  # global batch 1
     with pytest.raises(ConfigError, match="no layout of 3 GPUs divides the global batch of 1"):
-        enumerate_layouts(cfg, gpus=3, gpus_per_node=8)
+        enumerate_layouts(gpus=3, gpus_per_node=8, model_cfg=cfg.model, global_batch=cfg.global_batch)
 
 
 def test_fit_warning():
     cfg = load_config(REPO / "configs/gpt-175b.yaml", ["parallel.tp=1", "parallel.pp=1"])
-    warning = fit_warning(cfg, 80 * 2**30, "NVIDIA H100 80GB HBM3")
+    warning = fit_warning(80 * 2**30, "NVIDIA H100 80GB HBM3", model_cfg=cfg.model, parallel=cfg.parallel,
+                          train=cfg.train)
     assert warning is not None and "but NVIDIA H100 80GB HBM3 has 80.0 GiB" in warning
-    assert fit_warning(load_config(TINY), 80 * 2**30, "H100") is None
+    tiny = load_config(TINY)
+    assert fit_warning(80 * 2**30, "H100", model_cfg=tiny.model, parallel=tiny.parallel, train=tiny.train) is None
 
 
 def test_cli_table_and_json():
