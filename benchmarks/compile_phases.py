@@ -41,7 +41,8 @@ def contenders(cfg, rank: int, micro_batch: int) -> dict[str, Phases]:
     x, y = batch[:, :-1], batch[:, 1:]
     torch.manual_seed(0)
     compiled = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=True))
-    engine = parallelize(GPT(cfg.model), build_mesh(MeshShape(pp=1, dp=2, tp=1)), model_cfg=compiled.model, parallel=compiled.parallel, train=compiled.train, optim=compiled.optim).engine
+    engine = parallelize(GPT(cfg.model), build_mesh(MeshShape(pp=1, dp=2, tp=1)), model_cfg=compiled.model,
+                         parallel=compiled.parallel, train=compiled.train, optim=compiled.optim).engine
     torch.manual_seed(0)
     model = GPT(cfg.model)
     apply_compile(model.layers.values(), cfg.model.fused_kernels, torch.device("cpu"), fullgraph=True)

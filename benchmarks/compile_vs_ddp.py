@@ -80,7 +80,8 @@ def build_steps(cfg, rank: int, micro_batch: int, names: tuple[str, ...]) -> dic
 
     def mshpc_step(compiled: bool) -> tuple[Callable[[], None], Callable[[], None]]:
         run_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=compiled))
-        engine = parallelize(fresh(), mesh, model_cfg=run_cfg.model, parallel=run_cfg.parallel, train=run_cfg.train, optim=run_cfg.optim).engine
+        engine = parallelize(fresh(), mesh, model_cfg=run_cfg.model, parallel=run_cfg.parallel, train=run_cfg.train,
+                             optim=run_cfg.optim).engine
 
         def step() -> None:
             engine.backward(loss_fn(engine.model(x), y))

@@ -63,10 +63,11 @@ def model_tokens_per_s(cfg: Config, dataset: TokenDataset, steps: int) -> float:
     rt = Runtime(device=torch.device("cpu"), autocast_dtype=None, peak_tflops=None)
     data = dataclasses.replace(cfg.data, loader="torch")
     with build_loader(data, dataset, cfg.model.seq_len, cfg.global_batch, 0, 1, 0) as loader:
-        train_step(engine, loss_fn, next(loader), rt, train=cfg.train, optim=cfg.optim, parallel=cfg.parallel)  # warm-up
+        sections = {"train": cfg.train, "optim": cfg.optim, "parallel": cfg.parallel}
+        train_step(engine, loss_fn, next(loader), rt, **sections)  # warm-up
         start = time.perf_counter()
         for _ in range(steps):
-            train_step(engine, loss_fn, next(loader), rt, train=cfg.train, optim=cfg.optim, parallel=cfg.parallel)
+            train_step(engine, loss_fn, next(loader), rt, **sections)
         elapsed = time.perf_counter() - start
     return steps * cfg.global_batch * cfg.model.seq_len / elapsed
 

@@ -66,7 +66,8 @@ def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
     engines = {}
     for name in ("first_copy", "zeroed"):
         torch.manual_seed(0)
-        engine = parallelize(GPT(cfg.model), mesh, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, optim=cfg.optim).engine
+        engine = parallelize(GPT(cfg.model), mesh, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train,
+                             optim=cfg.optim).engine
         if name == "zeroed":
             engine._on_grad = types.MethodType(zeroed_on_grad, engine)
             engine._next_step = types.MethodType(zeroed_next_step, engine)
