@@ -31,6 +31,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     base = ModelConfig(vocab_size=64, seq_len=args.seq_len, n_layer=3, n_head=4, d_model=128, dropout=0.0)
     sbh = args.seq_len * args.micro_batch * base.d_model
     for block in ("serial", "parallel"):

@@ -78,6 +78,9 @@ def worker(rank: int, port: int, args: argparse.Namespace, out) -> None:
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     cfg = load_config(REPO / f"configs/{args.shape}.yaml", ["parallel.dp=2"])
     steps = build_steps(cfg, rank, args.micro_batch, CONTENDERS)
     for step, finish in steps.values():

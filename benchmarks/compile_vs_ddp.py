@@ -21,8 +21,8 @@ several-fold from run to run; so each contender's CPU time per step is measured 
 whole process, gloo's threads included: `time.process_time`), which a neighbour's load barely
 moves, and reported as tokens per CPU-second beside tokens/s, with the load average at the start
 and the end of each shape; and the minor page faults per step of each. All contenders share their
-process's heap, so all run under mshpc's host-memory setting (mshpc/host_memory.py: freed memory
-stays in the heap, `"heap_kept": true` in each line), which parallelize() applies process-wide;
+process's heap, so all run under mshpc's host-memory setting (mshpc/cpu_ranks/heap.py: freed memory
+stays in the heap, `"heap_kept": true` in each line), which a CPU rank's start-up applies process-wide;
 with `GLIBC_TUNABLES` set (e.g. `GLIBC_TUNABLES=glibc.malloc.check=0`, a no-op tunable) mshpc
 leaves the allocator alone and all run under glibc's defaults, as a plain torch script does
 (`"heap_kept": false`). Each ratio comes with a 90% interval from resampling the rounds:
@@ -114,12 +114,15 @@ def worker(rank: int, port: int, shape: str, names: tuple[str, ...], args: argpa
     import torch.distributed as dist
 
     from mshpc.config import load_config
-    from mshpc.host_memory import freed_host_memory_kept
+    from mshpc.cpu_ranks.heap import freed_host_memory_kept
     from mshpc.parallel.compile_blocks import compile_seconds
 
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     overrides = ["parallel.dp=2"] + ([f"model.seq_len={args.seq_125m}"] if shape == "gpt-125m" else [])
     cfg = load_config(REPO / f"configs/{shape}.yaml", overrides)
     start = time.perf_counter()

@@ -141,6 +141,9 @@ def rank_main(cfg_args: tuple[str, list[str]], mode: str, rank: int, world: int,
     cfg = resolve_world(load_config(*cfg_args), world)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     try:
         conn.send_bytes(json.dumps(drain(cfg, mode, rank, world, tp, batches)).encode())
     finally:

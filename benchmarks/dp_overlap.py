@@ -34,6 +34,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.worker,
                             world_size=2, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     cfg = load_config(REPO / "configs/tiny.yaml")
     steps, facts = build_steps(cfg.model, cfg.optim, args.bucket_mb, args.micro_batch, args.worker)
     times = time_steps(steps, args.rounds, args.steps)

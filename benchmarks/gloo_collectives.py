@@ -5,12 +5,12 @@ done as one gloo all-to-all of the input sent to every rank, against comm.all_ga
 point-to-point sends (2026-12-05: gloo's own all-gather, which copies through flat buffers on
 its worker thread, took 148 ms of CPU per 200 MiB in 25 MiB buckets, the all-to-all 102-121 ms,
 point-to-point sends 68 ms); and the same two collectives on buckets in shared memory
-(mshpc/parallel/host_shared.py: the peers' rows read in place, one byte per peer through gloo).
+(mshpc/cpu_ranks/shared_buckets.py: the peers' rows read in place, one byte per peer through gloo).
 
 2 ranks on loopback, `--total-mb` of fp32 gradients in `--bucket-mb` buckets, every bucket's
 collective issued async and then waited, as the engines do. Six contenders take turns within
 each round: all_reduce (DDP's), comm.reduce_scatter, comm.all_gather, the all-to-all
-all-gather, and host_shared's reduce-scatter and all-gather. Per contender: median wall ms and
+all-gather, and shared_buckets's reduce-scatter and all-gather. Per contender: median wall ms and
 median CPU ms of rank 0's process (all threads: gloo's work runs on its own), one JSON line
 each, then the three ratios.
 
@@ -38,7 +38,8 @@ def contenders(total_mb: float, bucket_mb: float) -> dict[str, Callable[[], None
     import torch
     import torch.distributed as dist
 
-    from mshpc.parallel import comm, host_shared
+    from mshpc.cpu_ranks import shared_buckets
+    from mshpc.parallel import comm
 
     numel = int(bucket_mb * 2**20) // 4 // 2 * 2  # even: two equal shards
     grads = [torch.randn(numel) for _ in range(max(1, round(total_mb / bucket_mb)))]
@@ -46,8 +47,8 @@ def contenders(total_mb: float, bucket_mb: float) -> dict[str, Callable[[], None
     params = [torch.empty(numel) for _ in grads]
     # the ZeRO engine's buckets in shared memory: buffer 2i holds bucket i's parameters, 2i + 1
     # its gradients. The repeated all-gathers of one round may rewrite a row a peer is still
-    # copying, with the same bytes: the engine orders those (host_shared.py), a benchmark need not
-    shared = host_shared.map_buffers([(numel, torch.float32)] * 2 * len(grads), None)
+    # copying, with the same bytes: the engine orders those (shared_buckets.py), a benchmark need not
+    shared = shared_buckets.map_buffers([(numel, torch.float32)] * 2 * len(grads), None)
     assert shared is not None, "the two ranks could not share memory in /dev/shm"
     for i, g in enumerate(grads):
         shared.local[2 * i + 1].copy_(g)
@@ -66,8 +67,8 @@ def contenders(total_mb: float, bucket_mb: float) -> dict[str, Callable[[], None
         "all_gather_by_all_to_all": waited(
             lambda i: dist.all_to_all_single(params[i], shards[i].repeat(2), async_op=True)),
         "shared_reduce_scatter": waited(
-            lambda i: host_shared.reduce_scatter(shared, 2 * i + 1, shared.local[2 * i + 1].view(2, -1)[me])),
-        "shared_all_gather": waited(lambda i: host_shared.all_gather(shared, 2 * i, shards[i])),
+            lambda i: shared_buckets.reduce_scatter(shared, 2 * i + 1, shared.local[2 * i + 1].view(2, -1)[me])),
+        "shared_all_gather": waited(lambda i: shared_buckets.all_gather(shared, 2 * i, shards[i])),
     }
 
 
@@ -75,13 +76,16 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> Non
     import torch
     import torch.distributed as dist
 
-    from mshpc.parallel import comm
+    from mshpc.cpu_ranks import gloo_p2p
 
     if args.message_mb:
-        comm.GLOO_MESSAGE_BYTES = int(args.message_mb * 2**20)
+        gloo_p2p.GLOO_MESSAGE_BYTES = int(args.message_mb * 2**20)
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     runs = contenders(args.total_mb, args.bucket_mb)
     wall: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
@@ -105,7 +109,7 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=1.0)
     harness.add_rounds(parser, 6)
     parser.add_argument("--message-mb", type=float, default=0.0,
-                        help="comm.GLOO_MESSAGE_BYTES in MiB, the pieces comm cuts gloo ops into (0: comm's own)")
+                        help="gloo_p2p.GLOO_MESSAGE_BYTES in MiB, the pieces comm cuts gloo ops into (0: comm's own)")
     args = parser.parse_args()
     result = harness.run_local_ranks(worker, 2, (args,))
     wall = {name: statistics.median(v) * 1e3 for name, v in result["wall"].items()}

@@ -1,4 +1,4 @@
-"""Claim: keeping freed host memory in the heap (mshpc/host_memory.py, applied by parallelize on
+"""Claim: keeping freed host memory in the heap (mshpc/cpu_ranks/heap.py, applied at a CPU rank's start-up on
 CPU) removes a CPU rank's per-step page faults and makes its step faster.
 
 Compiled mshpc at the tiny shape on 2 CPU ranks, as a training run has it: one model per
@@ -37,11 +37,14 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> Non
     import torch.distributed as dist
 
     from mshpc.config import load_config
-    from mshpc.host_memory import freed_host_memory_kept
+    from mshpc.cpu_ranks.heap import freed_host_memory_kept
 
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     cfg = load_config(REPO / "configs/tiny.yaml", ["parallel.dp=2"])
     step, finish = build_steps(cfg, rank, args.micro_batch, ("mshpc_compiled",))["mshpc_compiled"]
     for _ in range(WARM_UP_STEPS):

@@ -92,6 +92,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.worker,
                             world_size=2, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     pipes = build(args)
     cfg = next(iter(pipes.values()))[0]
     batch = Batch(torch.randint(0, cfg.model.vocab_size, (args.micro_batch * args.micro_batches, cfg.model.seq_len + 1),

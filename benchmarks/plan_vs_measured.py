@@ -66,6 +66,9 @@ def copy_gbps() -> float:
 def _busbw_rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     data = torch.ones(COMM_BYTES // 4)
     shard = torch.empty(data.numel() // 2)
     for _ in range(3):

@@ -71,6 +71,9 @@ def worker(rank: int, store: str, run_dir: str, args: argparse.Namespace, conn) 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # on a busy machine the watches see stragglers: not this claim's
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     cfg = resolve_world(load_config(args.config, [f"run.out_dir={run_dir}", "run.name=bench"]), WORLD)
     # rank 0's straggler watch reads both files once per block: as often as a real run would, or more
     diagnose = dataclasses.replace(cfg.diagnose, straggler_check_interval_steps=args.steps)

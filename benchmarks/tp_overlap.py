@@ -51,6 +51,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # two ranks on this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=args.worker,
                             world_size=2, timeout=timedelta(seconds=WORKER_TIMEOUT_S))
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
+
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     mesh = build_mesh(MeshShape(pp=1, dp=1, tp=2))
     steps, facts = build_steps(args, mesh)
     wire = {name: tp_wire_bytes(steps[name][0]) for name in steps}

@@ -79,7 +79,7 @@ class ParallelConfig:
     # smaller buckets start communicating earlier in backward, at more per-collective overhead
     bucket_mb: float = 25.0
     # dp ranks of one host on CPU (gloo) keep their buckets in shared memory and read each other's
-    # rows from it, instead of sending them over loopback TCP (mshpc/parallel/host_shared.py)
+    # rows from it, instead of sending them over loopback TCP (mshpc/cpu_ranks/shared_buckets.py; CPU ranks only)
     dp_shared_memory: bool = True
     # tp > 1 runs sequence parallelism (Korthikanti et al. 2022); with overlap its all-gathers and
     # reduce-scatters go in this many chunks along the sequence, each overlapping a GEMM

@@ -12,8 +12,9 @@ if TYPE_CHECKING:
 
 
 class FaultHooks:
-    """No fault at any hook point. The collective failure needs no hook here: a fault arms
-    `comm.RECORDER.fail_next` from `at_step`, so a run with no fault never checks for one."""
+    """No fault at any hook point. The collective failure needs no hook here: `at_step` arms it
+    in faults.py by wrapping comm's one door for the next op, so a run with no fault never
+    checks for one."""
 
     @property
     def gemm_slow_factor(self) -> int:

@@ -11,7 +11,7 @@ supervisor's attempt A; without it, in every attempt). KIND one of
                 written and before rank 0 commits (so on rank 0 the save is never committed)
   slow_save  sleep F seconds at that same point (a slow file system): `slow_save:rank=R:step=S:factor=F`
   stop   SIGSTOP this rank (a hang: the process is frozen, its heartbeat falls silent)
-  raise_in_collective  the rank's next collective raises RuntimeError inside the comm wrapper
+  raise_in_collective  the rank's next collective raises RuntimeError inside comm's door (recorded first)
   nan    this rank's next forward pass returns NaN (the loss, then the weights, go NaN)
   corrupt_latest  flip a byte of a master tensor in the latest committed checkpoint
   slow   from step S on, each forward on rank R takes `factor` times as long, a sleep after it
@@ -27,16 +27,19 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from mshpc.errors import ConfigError
 from mshpc.events import append_event
 from mshpc.fault_hooks import FaultHooks
-from mshpc.parallel.comm import RECORDER
+from mshpc.parallel import comm
 
 KINDS = ("raise", "kill", "kill_in_save", "slow_save", "stop", "raise_in_collective", "nan", "corrupt_latest",
          "slow", "gemm_slow", "gemm_wrong")
@@ -117,7 +120,7 @@ def _fire(fault: Fault, rank: int, step: int) -> None:
     elif fault.kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind == "raise_in_collective":
-        RECORDER.fail_next(f"{message} (inside a collective)")
+        fail_next_collective(f"{message} (inside a collective)")
     elif fault.kind == "nan":
         _poison_next_forward()
     elif fault.kind == "corrupt_latest":
@@ -125,6 +128,26 @@ def _fire(fault: Fault, rank: int, step: int) -> None:
         _corrupt_latest(fault.ckpt_root)
     else:
         raise RuntimeError(message)
+
+
+def fail_next_collective(message: str) -> None:
+    """The next op through comm's one door (`comm.collective`), from any thread, raises
+    RuntimeError(message) where it would have been issued, after the flight recorder saw it; then
+    the door is comm's own again. Of two threads entering at once, one raises."""
+    door, lock, armed = comm.collective, threading.Lock(), [True]
+
+    def failing(group: Any, op: str, nbytes: int, issue: Callable[[], Any], peer: str = "") -> Any:
+        with lock:
+            fire, armed[0] = armed[0], False
+            comm.collective = door  # one-shot: the door is comm's again
+        if not fire:
+            return door(group, op, nbytes, issue, peer)
+
+        def fail() -> None:
+            raise RuntimeError(message)
+        return door(group, op, nbytes, fail, peer)
+
+    comm.collective = failing  # comm's own ops look the door up by name
 
 
 def _poison_next_forward() -> None:

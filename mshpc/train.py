@@ -27,6 +27,7 @@ from mshpc.config import (
     resolve_world,
     to_dict,
 )
+from mshpc.cpu_ranks.tunings import select_cpu_tunings
 from mshpc.data.loader import BatchLoader
 from mshpc.data.node_reader import ReaderScope
 from mshpc.data.pipeline import build_loader
@@ -418,6 +419,7 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
         faults = build_fault_hooks(env, info, run_dir, checkpoints)
         with open_heartbeat(cfg, env.supervisor, info) as beat:
             rt = build_runtime(cfg.train, info)
+            select_cpu_tunings(rt.device)  # before the model: its optimizer and collectives follow it
             with claim_run_dir(run_dir, info, rt):  # before anything is written there
                 if info.rank == 0:
                     warn_if_unfit(cfg, rt)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from mshpc.optim.eager_optimizer import EagerOptimizer
+from mshpc.cpu_ranks.eager_optimizer import EagerOptimizer
 from mshpc.optim.multi_tensor import init_moments
 
 

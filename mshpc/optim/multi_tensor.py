@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from mshpc.cpu_ranks.eager_optimizer import EagerOptimizer
 from mshpc.kernels.ops import mshpc_ops
-from mshpc.optim.eager_optimizer import EagerOptimizer
 
 
 def init_moments(state: dict[str, Any], p: torch.Tensor) -> None:

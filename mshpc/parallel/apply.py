@@ -22,7 +22,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mshpc.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from mshpc.host_memory import keep_freed_host_memory
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel.compile_blocks import apply_compile
@@ -55,8 +54,6 @@ def parallelize(model: nn.Module, mesh: Mesh, *, model_cfg: ModelConfig, paralle
     """Apply TP/SP, activation checkpointing, compilation and ZeRO to `model`, in that order;
     `tied`: see apply_zero. Collective over the tp and dp groups."""
     device = next(model.parameters()).device
-    if device.type == "cpu":  # a CPU rank's step allocates its buffers on the host heap
-        keep_freed_host_memory()
     loss = apply_tp(model, mesh.tp, parallel) if mesh.shape.tp > 1 else loss_fn
     apply_activation_checkpointing(model, parallel.activation_checkpointing)
     if train.compile:

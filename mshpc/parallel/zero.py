@@ -9,7 +9,7 @@ steps only its shard (fp32 masters and optimizer state: ~1/dp of the memory), an
 the updated shards bucket by bucket; the next forward of a module waits only for its own
 bucket (a forward pre-hook). With overlap off the same engine communicates after backward and
 gathers before returning from step(). On CPU ranks of one host the buckets live in shared
-memory and the collectives read the peers' rows in place (host_shared.py).
+memory and the collectives read the peers' rows in place (mshpc/cpu_ranks/shared_buckets.py).
 
 Under tensor parallelism each tp rank runs its own engine over its dp group. Parameters every tp
 rank holds whole (the norms) get only a partial gradient under sequence parallelism, from the
@@ -34,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mshpc.parallel import comm, host_shared
+from mshpc.cpu_ranks import shared_buckets
+from mshpc.cpu_ranks.shared_buckets import HostShared
+from mshpc.parallel import comm
 from mshpc.parallel.buckets import BucketLayout
-from mshpc.parallel.host_shared import HostShared
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.tensor_slice import SliceReader, TensorSlice
 
@@ -69,7 +70,7 @@ class Bucket:
     group: dist.ProcessGroup | None  # the dp group, or its domain's group (ShardDomain)
     tp_replicated: bool = False  # holds parameters every tp rank has whole (see the module doc)
     tied: bool = False  # holds one tied parameter alone: the same shard as its copy's on the tied group
-    # the buffers in memory the group's ranks all map (host_shared.py): params at shared_index,
+    # the buffers in memory the group's ranks all map (cpu_ranks/shared_buckets.py): params at shared_index,
     # grads at shared_index + 1
     shared: HostShared | None = None
     shared_index: int = 0
@@ -83,7 +84,7 @@ class Bucket:
     def reduce_scatter(self) -> comm.Pending | None:
         """Start summing the gradients over the bucket's group into shard_grad; collective over it."""
         if self.shared is not None:
-            return host_shared.reduce_scatter(self.shared, self.shared_index + 1, self.shard_grad)
+            return shared_buckets.reduce_scatter(self.shared, self.shared_index + 1, self.shard_grad)
         # async: on NCCL the collective runs on its own stream, on gloo as point-to-point sends
         return comm.reduce_scatter(self.shard_grad, self.grads, self.group, async_op=True)
 
@@ -91,7 +92,7 @@ class Bucket:
         """Start gathering every member's `source` (its shard, parameter dtype) into params;
         collective over the bucket's group."""
         if self.shared is not None:
-            return host_shared.all_gather(self.shared, self.shared_index, source)
+            return shared_buckets.all_gather(self.shared, self.shared_index, source)
         return comm.all_gather(self.params, source, self.group, async_op=True)
 
 
@@ -326,7 +327,7 @@ class ZeroEngine:
                 return
             if self._next_reduce == 0 and self.shared:
                 # the step's first signal to the peers: every read of their rows for the last
-                # step's gathers must be done before it (host_shared.py)
+                # step's gathers must be done before it (cpu_ranks/shared_buckets.py)
                 self.wait_params()
             self._zero_unused(bucket)
             self._reducing.append(bucket.reduce_scatter())

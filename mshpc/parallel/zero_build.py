@@ -14,11 +14,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mshpc.config import OptimConfig, ParallelConfig
+from mshpc.cpu_ranks.shared_buckets import HostShared, map_buffers
+from mshpc.cpu_ranks.tunings import active
 from mshpc.errors import ConfigError
 from mshpc.optim.optimizer import param_groups
 from mshpc.parallel import comm
 from mshpc.parallel.buckets import BucketLayout, build_buckets
-from mshpc.parallel.host_shared import HostShared, map_buffers
 from mshpc.parallel.sharded_optim import build_shard_optimizer
 from mshpc.parallel.zero import (
     DP_ONLY,
@@ -107,10 +108,9 @@ def build_bucket_buffers(
 def map_shared_buckets(params: list[nn.Parameter], plans: list[BucketPlan], parallel: ParallelConfig,
                        group: dist.ProcessGroup | None, domain: int) -> HostShared | None:
     """The buffers of the buckets of `domain` (over `group`) in memory the group's ranks all map
-    (host_shared.py), where that helps and works: CPU parameters on gloo, more than one rank,
-    all on this host. Collective over `group`."""
-    on_cpu = all(p.device.type == "cpu" for p in params)
-    if not (parallel.dp_shared_memory and on_cpu and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"):
+    (cpu_ranks/shared_buckets.py), where that helps and works: CPU ranks (chosen at start-up),
+    more than one rank, all on this host. Collective over `group`."""
+    if not (parallel.dp_shared_memory and active().shared_buckets and dist.get_world_size(group) > 1):
         return None
     specs = [spec for plan in plans if plan.domain == domain
              for spec in ((plan.layout.numel, params[plan.layout.slots[0].index].dtype),

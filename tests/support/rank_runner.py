@@ -39,6 +39,7 @@ def _rank_main(file: str, qualname: str, rank: int, world: int, store: str, dump
     import torch
     import torch.distributed as dist
 
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
     from mshpc.launch.rendezvous import connect_lazily
 
     faulthandler.register(signal.SIGUSR1, file=open(dump, "w"), all_threads=True)
@@ -56,6 +57,7 @@ def _rank_main(file: str, qualname: str, rank: int, world: int, store: str, dump
         # reported by the runner as hung, with its stacks, not as a gloo error raced against it
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s + GLOO_TIMEOUT_MARGIN_S))
+        select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
         conn.send_bytes(json.dumps({"started": True}).encode())  # the runner's clock starts
         result = fn(rank, world, *args)
         conn.send_bytes(json.dumps({"ok": result}).encode())

@@ -14,6 +14,7 @@ from mshpc.fault_setup import build_fault_hooks
 from mshpc.faults import SLOW_FACTOR, Fault, install_slowdown, parse_faults, planned
 from mshpc.launch.env import LaunchEnv
 from mshpc.launch.rendezvous import DistInfo
+from mshpc.parallel import comm
 from mshpc.parallel.comm import FlightRecorder
 
 FORWARD_S = 0.02
@@ -90,10 +91,13 @@ def test_a_malformed_spec_fails_on_every_rank_not_only_the_targeted_one():
 
 def test_raise_in_collective_fails_the_next_collective_once(monkeypatch):
     recorder = FlightRecorder()
-    monkeypatch.setattr("mshpc.faults.RECORDER", recorder)
-    recorder.record("world", "all_reduce", 4)  # nothing armed: the collective goes through
+    monkeypatch.setattr(comm, "RECORDER", recorder)
+    monkeypatch.setattr(comm, "collective", comm.collective)  # comm's own door again after the test
+    issued = []
+    comm.collective(None, "all_reduce", 4, lambda: issued.append(1))  # nothing armed: the collective goes through
     _hooks("raise_in_collective:rank=1:step=2").at_step(2)
     with pytest.raises(RuntimeError, match="injected fault at rank 1 step 2 .inside a collective."):
-        recorder.record("world", "all_reduce", 4)
-    recorder.record("world", "all_reduce", 4)  # one-shot
+        comm.collective(None, "all_reduce", 4, lambda: issued.append(2))
+    comm.collective(None, "all_reduce", 4, lambda: issued.append(3))  # one-shot
+    assert issued == [1, 3]
     assert [r.seq for r in recorder.snapshot()] == [1, 2, 3]  # the failing collective is still recorded

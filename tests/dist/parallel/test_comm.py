@@ -4,10 +4,11 @@ several messages (and a last, shorter one), and their entries in the flight reco
 import torch
 import torch.distributed as dist
 
+from mshpc.cpu_ranks.gloo_p2p import GLOO_MESSAGE_BYTES
 from mshpc.parallel import comm
 from support.rank_runner import run_ranks
 
-N = comm.GLOO_MESSAGE_BYTES // 4 * 2 + 1000  # per-rank fp32 elements: 3 pieces, the last short
+N = GLOO_MESSAGE_BYTES // 4 * 2 + 1000  # per-rank fp32 elements: 3 pieces, the last short
 
 
 def collectives(rank: int, world: int, members: list[int] | None = None) -> dict:

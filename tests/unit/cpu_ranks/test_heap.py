@@ -16,8 +16,8 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # adaptive, they move with whatever the interpreter happened to free while importing torch.
 CHURN = """
 import ctypes, resource, sys, torch
-from mshpc.host_memory import (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, freed_host_memory_kept,
-                                keep_freed_host_memory)
+from mshpc.cpu_ranks.heap import (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, freed_host_memory_kept,
+                                   keep_freed_host_memory)
 if sys.argv[1] == "glibc":
     for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
         ctypes.CDLL(None).mallopt(option, 128 * 1024)
@@ -66,7 +66,7 @@ def test_the_users_own_allocator_tuning_is_left_alone():
 
 
 def test_an_env_threshold_is_the_users_choice(monkeypatch):
-    from mshpc.host_memory import user_tuned_allocator
+    from mshpc.cpu_ranks.heap import user_tuned_allocator
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "1048576")
     assert user_tuned_allocator() == "MALLOC_MMAP_THRESHOLD_ is set"

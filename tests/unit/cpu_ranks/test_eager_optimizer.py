@@ -1,5 +1,6 @@
-"""EagerOptimizer: mshpc's optimizers work as torch's do without loading torch._dynamo (about 2 s of
-CPU in every rank), and take torch's guarded path once it is loaded."""
+"""EagerOptimizer: on a CPU rank mshpc's optimizers work as torch's do without loading torch._dynamo
+(about 2 s of CPU in every rank), and take torch's guarded path once it is loaded; elsewhere they
+are torch's own."""
 
 import importlib
 import subprocess
@@ -7,17 +8,19 @@ import sys
 
 import torch
 
-from mshpc.optim.eager_optimizer import EagerOptimizer
+from mshpc.cpu_ranks.eager_optimizer import EagerOptimizer
 from mshpc.optim.lamb import Lamb
 from mshpc.optim.multi_tensor import FusedAdamW
 
 # a whole optimizer life in a fresh process: build, step, zero_grad, state_dict, load_state_dict
 LIFE = """
 import sys, torch
+from mshpc.cpu_ranks.tunings import select_cpu_tunings
 from mshpc.errors import KernelError
 from mshpc.kernels import build
 from mshpc.optim.lamb import Lamb
 from mshpc.optim.multi_tensor import FusedAdamW
+select_cpu_tunings(torch.device(sys.argv[1]))  # as a rank does at start-up
 try:
     build.load()  # as a rank does first; without the kernels (the kernel tests say why) LAMB alone
     classes = (FusedAdamW, Lamb)
@@ -36,9 +39,16 @@ print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
 
 
 def test_a_whole_optimizer_life_leaves_dynamo_unloaded() -> None:
-    out = subprocess.run([sys.executable, "-c", LIFE], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", LIFE, "cpu"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_without_the_cpu_tunings_the_optimizers_are_torchs_own() -> None:
+    # a GPU rank's choice ("meta" stands for a device that is not the CPU): torch's guarded methods
+    out = subprocess.run([sys.executable, "-c", LIFE, "meta"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "'torch._dynamo'" in out.stdout
 
 
 def test_state_dict_round_trip_equals_torchs_with_dynamo_loaded() -> None:

@@ -1,5 +1,6 @@
-"""ZeRO's bucket buffers in shared memory, for dp ranks on one host: the reduce-scatter and the
-all-gather read each peer's rows straight from its buffer instead of moving them over gloo.
+"""ZeRO's bucket buffers in shared memory, for dp ranks on one host (`parallel.dp_shared_memory`,
+on CPU ranks only: tunings.py): the reduce-scatter and the all-gather read each peer's rows
+straight from its buffer instead of moving them over gloo.
 
 Why: gloo has one transport, TCP. Between CPU ranks of one host every byte of a bucket goes
 through loopback: the sender's write copies it into the kernel, the receiver's read copies it out,
@@ -8,7 +9,7 @@ the transfer runs. NCCL uses shared memory or NVLink between GPUs of a node, and
 all-reduce shared memory; here a rank maps its peers' bucket buffers (one file per rank in
 /dev/shm, unlinked as soon as every rank has mapped it) and gloo carries only a one-byte "ready"
 per peer per collective, which orders the reads. Results are bitwise those of the point-to-point
-path in comm.py: the same sums in the same order.
+transport (gloo_p2p.py): the same sums in the same order.
 
 The reads happen in a collective's wait(), so a rank must not rewrite rows its peers may still be
 reading. The engine (zero.py) keeps that: a rank's gradient rows are rewritten only in the next
@@ -24,12 +25,14 @@ import logging
 import mmap
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from mshpc.cpu_ranks.gloo_p2p import Pieces, exchange, peers_of
 from mshpc.parallel import comm
 
 log = logging.getLogger(__name__)
@@ -57,7 +60,7 @@ def map_buffers(specs: list[tuple[int, torch.dtype]], group: dist.ProcessGroup |
     """Collective over `group` (gloo): buffers of (numel, dtype) each, zeroed, in memory every
     member maps; None when some member cannot create its file in SHM_DIR (no room, no tmpfs) or
     cannot see the others' (ranks on other hosts): then the buckets stay in private memory."""
-    me, peers = comm.peers_of(group)
+    me, peers = peers_of(group)
     offsets, nbytes = _layout(specs)
     token = comm.broadcast_json(secrets.token_hex(8), src=_global(group, 0), group=group)
     paths = [SHM_DIR / f"mshpc-{token}-{j}" for j in range(len(peers) + 1)]
@@ -92,7 +95,7 @@ def reduce_scatter(shared: HostShared, index: int, output: torch.Tensor) -> comm
     rows = [buffer[index].view(size, -1)[shared.me] for buffer in shared.remote]
     finish = functools.partial(_sum_in_rank_order, rows, output.view(-1), shared.me)
     nbytes = shared.local[index].numel() * shared.local[index].element_size()
-    return comm.signal_peers(shared.group, "reduce_scatter", nbytes, shared.peers, finish)
+    return signal_peers(shared.group, "reduce_scatter", nbytes, shared.peers, finish)
 
 
 def all_gather(shared: HostShared, index: int, input: torch.Tensor) -> comm.Pending:
@@ -105,7 +108,19 @@ def all_gather(shared: HostShared, index: int, input: torch.Tensor) -> comm.Pend
     moves = [(shared.remote[j][index].view(size, -1)[j], mine[j]) for j, _ in shared.peers]
     finish = functools.partial(_copy_all, moves)
     nbytes = mine.numel() * mine.element_size()
-    return comm.signal_peers(shared.group, "all_gather", nbytes, shared.peers, finish)
+    return signal_peers(shared.group, "all_gather", nbytes, shared.peers, finish)
+
+
+def signal_peers(group: dist.ProcessGroup | None, op: str, nbytes: int, peers: tuple[tuple[int, int], ...],
+                 finish: Callable[[], object]) -> comm.Pending:
+    """Async: a one-byte "ready" to and from each of `peers` ((index, global rank) in group order),
+    then `finish` on the waiting thread; recorded and timed by comm as `op` of `nbytes`, the bytes
+    the collective moves through the shared buffers."""
+    def post() -> Pieces:
+        ready = torch.ones(1, dtype=torch.uint8)
+        moves = [(ready, torch.empty(1, dtype=torch.uint8), peer) for _, peer in peers]
+        return Pieces(exchange(moves, group, finish))
+    return comm.collective(group, op, nbytes, post)
 
 
 def _sum_in_rank_order(rows: list[torch.Tensor], out: torch.Tensor, me: int) -> None:

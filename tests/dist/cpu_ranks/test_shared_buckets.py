@@ -1,5 +1,5 @@
-"""ZeRO's buckets in shared memory (mshpc/parallel/host_shared.py), on gloo ranks of this host:
-the collectives give comm's point-to-point results bitwise, nothing is left in /dev/shm, ranks
+"""ZeRO's buckets in shared memory (mshpc/cpu_ranks/shared_buckets.py), on gloo ranks of this host:
+the collectives give the point-to-point transport's results bitwise, nothing is left in /dev/shm, ranks
 that cannot share fall back to private memory, and the engine trains bitwise as without."""
 
 from pathlib import Path
@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from mshpc.config import ModelConfig, OptimConfig, ParallelConfig
 from mshpc.model.gpt import GPT, loss_fn
-from mshpc.parallel import comm, host_shared
+from mshpc.cpu_ranks import shared_buckets as host_shared
+from mshpc.parallel import comm
 from mshpc.parallel.zero_build import build_zero_engine
 from support.rank_runner import run_ranks
 
