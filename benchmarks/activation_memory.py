@@ -14,16 +14,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from mshpc.bench import harness
 
 PAPER_ELEMENTS = {"serial": 16, "parallel": 14}  # Korthikanti's count without dropout, times t
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def rank_main(rank: int, port: int, world: int, args: argparse.Namespace, out) -> None:
     from mshpc.config import ModelConfig
     from mshpc.plan.layout import Layout
     from mshpc.plan.memory import layer_activation_bytes
@@ -36,6 +36,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     base = ModelConfig(vocab_size=64, seq_len=args.seq_len, n_layer=3, n_head=4, d_model=128, dropout=0.0)
     sbh = args.seq_len * args.micro_batch * base.d_model
+    lines = []
     for block in ("serial", "parallel"):
         m = dataclasses.replace(base, parallel_block=block == "parallel")
         for dtype, autocast, elem in (("fp32", None, 4), ("bf16", torch.bfloat16, 2)):
@@ -43,13 +44,13 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
             layout = Layout(dp=1, tp=world, pp=1, virtual_stages=1, micro_batch=args.micro_batch, n_micro=1,
                             checkpointing="none")
             want = layer_activation_bytes(m, layout, act_bytes=elem)
-            if rank == 0:
-                line = {"bench": "activation_memory", "metric": f"saved_bytes_per_sbh_{block}_tp{world}_{dtype}_vs_formula",
-                        "value": round(got / sbh, 3), "unit": "B/sbh", "baseline": round(want / sbh, 3),
-                        "ratio": round(got / want, 4), "tp": world}
-                if dtype == "fp32":
-                    line["elements_vs_korthikanti"] = round(got / 4 / sbh * world / PAPER_ELEMENTS[block], 3)
-                print(json.dumps(line), flush=True)
+            line = harness.record("activation_memory", f"saved_bytes_per_sbh_{block}_tp{world}_{dtype}_vs_formula",
+                                  got / sbh, "B/sbh", want / sbh, digits=3, tp=world)
+            if dtype == "fp32":
+                line["elements_vs_korthikanti"] = round(got / 4 / sbh * world / PAPER_ELEMENTS[block], 3)
+            lines.append(line)
+    if rank == 0:
+        out.put(json.dumps(lines))
     dist.destroy_process_group()
 
 
@@ -60,10 +61,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     for tp in args.tp:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(rank_main, (tp, port, args), nprocs=tp)
+        for line in harness.run_local_ranks(rank_main, tp, (tp, args)):
+            harness.emit(line)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
+from mshpc.bench.processes import children
+from mshpc.events import read_jsonl
+
 # configs/tiny.yaml's model (a step takes a good fraction of a second on 2 CPU ranks, so faults
 # land in the step they are drawn for); timings flushed often: they tell the driver the step
 SMALL = ["run.progress=none", "train.cpu_threads=1", "diagnose.flush_interval_s=0.2"]
@@ -154,18 +158,6 @@ class ChaosRun:
                 continue
             out.append(("header" if "rank" in record else "step", record["time"], record.get("step", 0)))
         return out
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -320,12 +312,12 @@ def final_state(run: ChaosRun) -> tuple[dict[str, np.ndarray], list[float]]:
 
 
 def effective_ratio(run: ChaosRun, ended: float) -> float:
-    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(run.run_dir / "metrics.jsonl")
     return sum(r["step_time_s"] for r in records) / (ended - run.launches[0].at)
 
 
 def emit(**fields: object) -> None:
-    print(json.dumps({"bench": "chaos", **fields}), flush=True)
+    harness.emit({"bench": "chaos", **fields})
 
 
 def draw(rng: random.Random, n: int, steps: int, kinds: tuple[str, ...]) -> list[Fault]:
@@ -370,7 +362,7 @@ def main() -> None:
             raise SystemExit(f"chaos: --kinds {args.kinds!r}: choose from {', '.join(KINDS)}")
         faults = draw(rng, args.faults, args.steps, kinds)
         emit(seed=seed, steps=args.steps, faults=[(f.kind, f.step) for f in faults], kinds=kinds,
-             enospc_left_out=no_full_disk)
+             enospc_left_out=no_full_disk, load_avg=harness.load_average())
         try:
             reference = ChaosRun(Path(tmp, "ref"), cache, "ref", args.steps)
             drive(reference, [], rng)

@@ -31,7 +31,6 @@ writes; each line reports the median and every sample.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -47,14 +46,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from mshpc.bench import harness
 from mshpc.checkpoint.manifest import read_manifest
 from mshpc.checkpoint.paths import step_dir
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.saver import CheckpointSaver, HostSnapshot, SaveTarget
 from mshpc.checkpoint.state import model_slices
-from mshpc.tensor_slice import TensorSlice
 from mshpc.config import ModelConfig
 from mshpc.model.gpt import GPT, loss_fn
+from mshpc.tensor_slice import TensorSlice
 
 TENSOR_MB = 64  # per tensor, like one large weight matrix or its moment
 MODEL = ModelConfig(n_layer=8, d_model=1024, n_head=16, seq_len=128)  # 101M parameters: 1.13 GiB with Adam
@@ -265,20 +265,23 @@ def bench_weights_spread(dp: int, device: str) -> dict[str, Any]:
     return {"spread": max(spread), "rank0": max(rank0), "params": n}
 
 
-def samples_line(metric: str, ours: list[float], theirs: list[float]) -> str:
-    """Medians, with every sample beside them."""
+def samples_line(metric: str, ours: list[float], theirs: list[float]) -> dict[str, Any]:
+    """Medians, with every sample beside them (the two kinds ran one after the other, not in
+    turns, so no paired interval)."""
     return line(metric, statistics.median(ours), "s", statistics.median(theirs),
                 samples=[round(t, 3) for t in ours], baseline_samples=[round(t, 3) for t in theirs])
 
 
-def line(metric: str, value: float, unit: str, baseline: float, **extra: object) -> str:
-    return json.dumps({"bench": "checkpoint", "metric": metric, "value": round(value, 4), "unit": unit,
-                       "baseline": round(baseline, 4), "ratio": round(value / baseline, 4), **extra})
+def line(metric: str, value: float, unit: str, baseline: float, **extra: object) -> dict[str, Any]:
+    return harness.record("checkpoint", metric, value, unit, baseline, **extra)
 
 
-def restore_line(baseline: str, ours: list[tuple[float, int | None]], theirs: list[tuple[float, int | None]]) -> str:
+def restore_line(baseline: str, ours: list[tuple[float, int | None]],
+                 theirs: list[tuple[float, int | None]]) -> dict[str, Any]:
+    """The readers took turns round by round (restore_rounds), so the ratio has a paired interval."""
+    low, high = harness.paired_round_interval([[t] for t, _ in ours], [[t] for t, _ in theirs])
     return line(f"restore_time_vs_{baseline}", statistics.median(t for t, _ in ours), "s",
-                statistics.median(t for t, _ in theirs),
+                statistics.median(t for t, _ in theirs), ratio_90pct=[round(low, 3), round(high, 3)],
                 samples=[round(t, 3) for t, _ in ours], baseline_samples=[round(t, 3) for t, _ in theirs],
                 resident_bytes=[r for _, r in ours], baseline_resident_bytes=[r for _, r in theirs])
 
@@ -286,7 +289,7 @@ def restore_line(baseline: str, ours: list[tuple[float, int | None]], theirs: li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB (at least)")
-    parser.add_argument("--rounds", type=int, default=3, help="saves and restores of each kind")
+    harness.add_rounds(parser, 3, "saves and restores of each kind")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/mshpc-ckpt-bench"))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     parser.add_argument("--restore", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
@@ -311,31 +314,31 @@ def main() -> None:
         dist.destroy_process_group()
         shutil.rmtree(args.dir, ignore_errors=True)
     spreads = {dp: bench_weights_spread(dp, args.device) for dp in (2, 8)}
-    print(json.dumps({"bench": "checkpoint", "metric": "state_size", "value": round(nbytes / 2**30, 3), "unit": "GiB",
-                      "device": args.device}))
+    harness.emit(harness.record("checkpoint", "state_size", nbytes / 2**30, "GiB", digits=3, device=args.device,
+                                load_avg=harness.load_average()))
     blocking_s = [b for b, _ in ours["overlapped"]]
     blocking, persist = statistics.median(blocking_s), statistics.median(ours["persist_s"])
-    print(samples_line("blocking_time_vs_torch_save", blocking_s, plain["blocking_s"]))
-    print(line("first_save_blocking_time_vs_torch_save", ours["first_blocking_s"], "s",
+    harness.emit(samples_line("blocking_time_vs_torch_save", blocking_s, plain["blocking_s"]))
+    harness.emit(line("first_save_blocking_time_vs_torch_save", ours["first_blocking_s"], "s",
                statistics.median(plain["blocking_s"])))
-    print(samples_line("copy_first_blocking_time_vs_torch_save", [b for b, _ in ours["copy_first"]],
+    harness.emit(samples_line("copy_first_blocking_time_vs_torch_save", [b for b, _ in ours["copy_first"]],
                        plain["blocking_s"]))
     # what a save costs the loop in all: blocked plus the next forward and backward, which
     # stage 1 (overlapped) and stage 2 (both) slow down where they share the cores
-    print(samples_line("save_to_update_time_overlapped_vs_copy_first", [b + f for b, f in ours["overlapped"]],
+    harness.emit(samples_line("save_to_update_time_overlapped_vs_copy_first", [b + f for b, f in ours["overlapped"]],
                        [b + f for b, f in ours["copy_first"]]))
-    print(samples_line("next_fwd_bwd_time_during_save_vs_alone", [f for _, f in ours["overlapped"]],
+    harness.emit(samples_line("next_fwd_bwd_time_during_save_vs_alone", [f for _, f in ours["overlapped"]],
                        ours["fwd_bwd_alone_s"]))
-    print(line("blocking_time_vs_dcp_sync_save", blocking, "s", ref["sync_s"]))
-    print(line("blocking_time_vs_dcp_async_save", blocking, "s", ref["async_blocking_s"]))
-    print(line("persist_throughput_vs_dd_direct_write", nbytes / persist / 1e9, "GB/s", disk,
+    harness.emit(line("blocking_time_vs_dcp_sync_save", blocking, "s", ref["sync_s"]))
+    harness.emit(line("blocking_time_vs_dcp_async_save", blocking, "s", ref["async_blocking_s"]))
+    harness.emit(line("persist_throughput_vs_dd_direct_write", nbytes / persist / 1e9, "GB/s", disk,
                persist_samples=[round(t, 3) for t in ours["persist_s"]]))
-    print(line("persist_time_vs_dcp_async_save", persist, "s", ref["async_persist_s"]))
+    harness.emit(line("persist_time_vs_dcp_async_save", persist, "s", ref["async_persist_s"]))
     for dp, r in spreads.items():
-        print(line(f"slowest_rank_blocking_at_dp{dp}_weights_spread_vs_on_dp_rank0", r["spread"], "s", r["rank0"],
+        harness.emit(line(f"slowest_rank_blocking_at_dp{dp}_weights_spread_vs_on_dp_rank0", r["spread"], "s", r["rank0"],
                    params=r["params"]))
-    print(restore_line("dcp_load", restores["mshpc"], restores["dcp"]))
-    print(restore_line("torch_load", restores["mshpc"], restores["torch"]))
+    harness.emit(restore_line("dcp_load", restores["mshpc"], restores["dcp"]))
+    harness.emit(restore_line("torch_load", restores["mshpc"], restores["torch"]))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
 from mshpc.config import Config, load_config, resolve_world
 from mshpc.data.dali_source import dali_missing
 from mshpc.data.node_reader import ReaderScope
@@ -40,7 +42,6 @@ from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel.zero_build import build_zero_engine
 from mshpc.train import Runtime, train_step
 
-REPO = Path(__file__).resolve().parents[1]
 MODES = {"per_gpu": {"loader": "torch"}, "per_node": {"per_node_reader": True}, "dali": {"loader": "dali"}}
 
 
@@ -173,15 +174,15 @@ def run_node(cfg_args: tuple[str, list[str]], mode: str, world: int, tp: int,
     return node
 
 
-def line(metric: str, value: float, unit: str, baseline: float, **extra: object) -> str:
-    ratio = value / baseline if baseline else None
-    return json.dumps({"bench": "dataloader", "metric": metric, "value": round(value, 1), "unit": unit,
-                       "baseline": round(baseline, 1), "ratio": None if ratio is None else round(ratio, 3),
-                       **extra})
+def line(metric: str, value: float, unit: str, baseline: float, **extra: object) -> dict:
+    if not baseline:  # nothing read by the baseline: no ratio
+        return {**harness.record("dataloader", metric, value, unit, digits=1), "baseline": baseline, "ratio": None,
+                **extra}
+    return harness.record("dataloader", metric, value, unit, baseline, digits=1, **extra)
 
 
 def compare_readers(cfg_args: tuple[str, list[str]], dataset_dir: Path, world: int, tp: int,
-                    batches: int) -> list[str]:
+                    batches: int) -> list[dict]:
     modes = ["per_gpu", "per_node"] + (["dali"] if dali_missing() is None else [])
     nodes = {}
     for mode in modes:
@@ -221,15 +222,12 @@ def main() -> None:
     consumed = model_tokens_per_s(cfg, dataset, args.steps)
     delivered = loader_tokens_per_s(cfg, dataset, batches=max(200, 10 * args.steps))
     dist.destroy_process_group()
-    print(json.dumps({
-        "bench": "dataloader", "metric": "loader_tokens_per_s_vs_model_consumption",
-        "value": round(delivered), "unit": "tokens/s", "baseline": round(consumed),
-        "ratio": round(delivered / consumed, 2), "threads": torch.get_num_threads(),
-    }), flush=True)
+    harness.emit(harness.record("dataloader", "loader_tokens_per_s_vs_model_consumption", delivered, "tokens/s",
+                                consumed, digits=0, threads=torch.get_num_threads(), load_avg=harness.load_average()))
     dataset.close()  # the reader comparison below opens the shards itself
     cfg_args = (args.config, [f"parallel.tp={args.tp}"])
     for out in compare_readers(cfg_args, dataset_path(cfg.data), args.ranks, args.tp, args.batches):
-        print(out, flush=True)
+        harness.emit(out)
 
 
 if __name__ == "__main__":

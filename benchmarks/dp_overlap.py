@@ -117,7 +117,7 @@ def time_reduce_scatter(bucket_mb: float, mib: int = 16, repeats: int = 5) -> di
     data = torch.randn(mib * 2**18)
     out = torch.empty(data.numel() // 2)
     buckets = max(1, round(mib / bucket_mb))
-    pieces = list(zip(out.chunk(buckets), data.chunk(buckets)))
+    pieces = list(zip(out.chunk(buckets), data.chunk(buckets), strict=True))
 
     def run(fn: Callable) -> float:
         times = []

@@ -8,20 +8,15 @@ greedy, batch 1): new tokens per second with and without the cache, side by side
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mshpc.config import load_config  # noqa: E402
-from mshpc.generate import SampleOptions, decode  # noqa: E402
-from mshpc.model.gpt import GPT  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
+from mshpc.config import load_config
+from mshpc.generate import SampleOptions, decode
+from mshpc.model.gpt import GPT
 
 
 def tokens_per_s(model: GPT, prompt: list[int], opts: SampleOptions, cache: bool) -> tuple[float, float]:
@@ -49,10 +44,9 @@ def main() -> None:
         (cached, cached_cpu), (full, full_cpu) = (tokens_per_s(model, prompt, opts, cache) for cache in (True, False))
         for metric, ours, base in (("tokens_per_s_kv_cache_vs_full_recompute", cached, full),
                                    ("tokens_per_cpu_s_kv_cache_vs_full_recompute", cached_cpu, full_cpu)):
-            print(json.dumps({"bench": "generate", "shape": name, "prompt_tokens": len(prompt),
-                              "new_tokens": opts.max_new_tokens, "metric": metric, "value": round(ours, 1),
-                              "unit": "tokens/s", "baseline": round(base, 1), "ratio": round(ours / base, 2)}),
-                  flush=True)
+            harness.emit(harness.record("generate", metric, ours, "tokens/s", base, digits=1, shape=name,
+                                        prompt_tokens=len(prompt), new_tokens=opts.max_new_tokens,
+                                        load_avg=harness.load_average()))
 
 
 if __name__ == "__main__":

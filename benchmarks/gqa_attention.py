@@ -10,13 +10,13 @@ round so both see the same machine load; the median round counts.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from mshpc.bench import harness
 
 # (name, batch, seq, n_head, n_kv_head, head_dim): tiny is configs/tiny.yaml with 2 kv heads;
 # 125m is configs/gpt-125m.yaml's heads at a 512-token window of its sequence, 4 kv heads
@@ -42,7 +42,7 @@ def time_once(fn: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=5)
+    harness.add_rounds(ap, 5, "rounds; the two paths take turns in each")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -56,10 +56,9 @@ def main() -> None:
                 time_once(fn, q, k, v, mask)  # warm-up
             rounds = [(time_once(native, q, k, v, mask), time_once(expanded, q, k, v, mask))
                       for _ in range(args.rounds)]
-            ours, base = (statistics.median(r[c] for r in rounds) for c in (0, 1))
-            print(json.dumps({"bench": "gqa_attention", "shape": name, "path": "window mask" if masked else "causal",
-                              "metric": "enable_gqa_fwd_bwd_vs_repeat_interleave", "value": round(ours, 5),
-                              "unit": "s", "baseline": round(base, 5), "ratio": round(ours / base, 3)}), flush=True)
+            harness.emit({"bench": "gqa_attention", "metric": "enable_gqa_fwd_bwd_vs_repeat_interleave", "unit": "s",
+                          **harness.paired([r[0] for r in rounds], [r[1] for r in rounds], digits=5), "shape": name,
+                          "path": "window mask" if masked else "causal", "load_avg": harness.load_average()})
 
 
 if __name__ == "__main__":

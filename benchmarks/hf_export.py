@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 import warnings
@@ -20,16 +19,13 @@ from pathlib import Path
 
 import torch
 
+from mshpc.bench import harness
 from mshpc.config import ModelConfig
 from mshpc.data.tokenizer import ByteTokenizer
 from mshpc.interop.hf_export import write_hf
 from mshpc.model.gpt import GPT
 
 REPEATS = 3
-
-# Python puts this script's folder first on the path, where benchmarks/kernels.py would stand in
-# for the `kernels` package that transformers imports.
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 def measure(m: ModelConfig, tmp: Path) -> list[dict]:
@@ -56,9 +52,9 @@ def measure(m: ModelConfig, tmp: Path) -> list[dict]:
         ref, got = model(idx).float(), hf(idx).logits.float()
     arch = json.loads((tmp / "ours0/config.json").read_text())["architectures"][0]
     diff = float((got - ref).abs().max() / ref.abs().max())
-    return [{"bench": "hf_export", "arch": arch, "metric": "write_seconds_vs_save_pretrained", "value": round(ours_s, 3),
-             "unit": "s", "baseline": round(theirs_s, 3), "ratio": round(ours_s / theirs_s, 3)},
-            {"bench": "hf_export", "arch": arch, "metric": "max_relative_logit_diff", "value": diff, "unit": "1"}]
+    return [harness.record("hf_export", "write_seconds_vs_save_pretrained", ours_s, "s", theirs_s, digits=3, arch=arch,
+                           load_avg=harness.load_average()),
+            harness.record("hf_export", "max_relative_logit_diff", diff, "1", digits=12, arch=arch)]
 
 
 def main() -> None:
@@ -72,7 +68,7 @@ def main() -> None:
               ModelConfig(**shape, norm="rmsnorm", mlp="swiglu", n_kv_head=4, ffn_dim=2048, tie_embeddings=False)):
         with tempfile.TemporaryDirectory() as tmp:
             for row in measure(m, Path(tmp)):
-                print(json.dumps(row), flush=True)
+                harness.emit(row)
 
 
 if __name__ == "__main__":

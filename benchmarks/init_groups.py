@@ -18,17 +18,13 @@ pair at creation), so a time stopped at creation would leave mshpc's connections
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mshpc.launch.ports import free_port  # noqa: E402  (no torch import at module level)
+from mshpc.bench import harness
+from mshpc.launch.ports import free_port  # no torch import at module level
 
 CONTENDERS = ("mshpc", "plain", "plain_with_barriers")
 TIMEOUT_S = 600
@@ -97,9 +93,10 @@ def worker(rank: int, world: int, shape, schedule: list[tuple[str, int]], barrie
 
 
 
-def measure(world: int, tp: int, pp: int, rounds: int) -> dict[str, dict[str, float]]:
+def measure(world: int, tp: int, pp: int, rounds: int) -> dict[str, dict]:
     """Each contender's median over rounds of init_s, groups_s (the slowest rank's group
-    creation and first collectives) and total_s, and its worst init_s, at `world` ranks."""
+    creation and first collectives) and total_s, its worst init_s, and its total_s per round
+    (the contenders of a round ran one right after the other), at `world` ranks."""
     from mshpc.mesh_shape import MeshShape
 
     shape = MeshShape(pp=pp, dp=world // (tp * pp), tp=tp)
@@ -128,13 +125,14 @@ def measure(world: int, tp: int, pp: int, rounds: int) -> dict[str, dict[str, fl
     groups = sum(len(g) for g in shape.all_groups().values())
     return {c: {"init_s": statistics.median(s[0] for s in samples[c]), "worst_init_s": max(s[0] for s in samples[c]),
                 "total_s": statistics.median(s[1] for s in samples[c]),
-                "groups_s": statistics.median(s[2] for s in samples[c]), "groups": groups} for c in CONTENDERS}
+                "groups_s": statistics.median(s[2] for s in samples[c]), "groups": groups,
+                "total_s_by_round": [s[1] for s in samples[c]]} for c in CONTENDERS}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32])
-    parser.add_argument("--rounds", type=int, default=3)
+    harness.add_rounds(parser, 3, "rounds; the contenders take turns in each")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     args = parser.parse_args()
@@ -149,17 +147,19 @@ def main() -> None:
                    "worst_init_s": {c: round(r[c]["worst_init_s"], 3) for c in CONTENDERS},
                    "groups_s": {c: round(r[c]["groups_s"], 3) for c in CONTENDERS}, "rounds": rounds}
         for baseline in ("plain", "plain_with_barriers"):
-            value, base = r["mshpc"]["total_s"], r[baseline]["total_s"]
-            print(json.dumps({"bench": "init_groups", "metric": f"init_and_3d_groups_vs_{baseline}_{world}_ranks",
-                              "value": round(value, 3), "unit": "s", "baseline": round(base, 3),
-                              "ratio": round(value / base, 3), **context}), flush=True)
+            low, high = harness.paired_round_interval([[t] for t in r["mshpc"]["total_s_by_round"]],
+                                                      [[t] for t in r[baseline]["total_s_by_round"]])
+            harness.emit(harness.record("init_groups", f"init_and_3d_groups_vs_{baseline}_{world}_ranks",
+                                        r["mshpc"]["total_s"], "s", r[baseline]["total_s"], digits=3,
+                                        ratio_90pct=[round(low, 3), round(high, 3)], **context,
+                                        load_avg=harness.load_average()))
         for c in CONTENDERS:
             totals[c][world] = r[c]["total_s"]
             groups_s[c][world] = r[c]["groups_s"]
     lo, hi = min(args.ranks), max(args.ranks)
     for what, table in (("total", totals), ("groups", groups_s)):
-        print(json.dumps({"bench": "init_groups", "metric": f"{what}_growth_{lo}_to_{hi}_ranks", "unit": "x",
-                          **{c: round(table[c][hi] / table[c][lo], 2) for c in CONTENDERS}}), flush=True)
+        harness.emit({"bench": "init_groups", "metric": f"{what}_growth_{lo}_to_{hi}_ranks", "unit": "x",
+                      **{c: round(table[c][hi] / table[c][lo], 2) for c in CONTENDERS}})
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
 
 PROBE = """
 import json, resource, sys, time
@@ -45,19 +44,17 @@ def ready_once(how: str) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    harness.add_rounds(parser, 7, "rounds; the two ways take turns in each")
     args = parser.parse_args()
     ready_once("kept")  # the first load keeps the library (a build, if the cache is cold)
     times: dict[str, list[dict[str, float]]] = {"cpp_extension": [], "kept": []}
-    for _ in range(args.rounds):
-        for how in times:
+    for order in harness.turns(list(times), args.rounds):
+        for how in order:
             times[how].append(ready_once(how))
     for metric in ("cpu_s", "wall_s"):
-        ours = statistics.median(t[metric] for t in times["kept"])
-        base = statistics.median(t[metric] for t in times["cpp_extension"])
-        print(json.dumps({"bench": "kernel_load", "metric": f"rank_kernel_ready_{metric}_vs_cpp_extension_load",
-                          "value": round(ours, 4), "unit": "s", "baseline": round(base, 4),
-                          "ratio": round(ours / base, 3), "rounds": args.rounds}))
+        harness.emit({"bench": "kernel_load", "metric": f"rank_kernel_ready_{metric}_vs_cpp_extension_load", "unit": "s",
+                      **harness.paired([t[metric] for t in times["kept"]], [t[metric] for t in times["cpp_extension"]]),
+                      "load_avg": harness.load_average()})
 
 
 if __name__ == "__main__":

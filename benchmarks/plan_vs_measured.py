@@ -20,16 +20,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
 from mshpc.config import load_config
-from mshpc.launch.ports import free_port
 from mshpc.parallel import comm
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import layout_of
 from mshpc.plan.steptime import step_time
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs/tiny.yaml"
 COMM_BYTES = 8 * 2**20
 # the layouts this machine's 2 cores can run side by side; the pipeline needs micro-batches
@@ -63,7 +62,7 @@ def copy_gbps() -> float:
     return n * 2 * src.numel() * 4 / (time.perf_counter() - start) / 1e9
 
 
-def _busbw_rank(rank: int, port: int, out: str) -> None:
+def _busbw_rank(rank: int, port: int, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     from mshpc.cpu_ranks.tunings import select_cpu_tunings
@@ -79,16 +78,13 @@ def _busbw_rank(rank: int, port: int, out: str) -> None:
         comm.all_gather(data, shard)
     elapsed = (time.perf_counter() - start) / (2 * n)
     if rank == 0:
-        Path(out).write_text(json.dumps(COMM_BYTES * 0.5 / elapsed / 1e9))  # busbw factor (n-1)/n
+        out.put(json.dumps(COMM_BYTES * 0.5 / elapsed / 1e9))  # busbw factor (n-1)/n
     dist.destroy_process_group()
 
 
 def busbw_gbps() -> float:
     """The ZeRO engine's own reduce-scatter and all-gather between 2 local gloo ranks."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "busbw.json")
-        mp.start_processes(_busbw_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
-        return json.loads(Path(out).read_text())
+    return harness.run_local_ranks(_busbw_rank, 2, ())
 
 
 def measured_step_s(overrides: list[str], steps: int) -> float:
@@ -123,12 +119,10 @@ def main() -> None:
         predicted = step_time(layout_of(cfg.parallel, cfg.train), dev, cores, model_cfg=cfg.model,
                               parallel=cfg.parallel).total_s
         measured = measured_step_s(overrides, args.steps)
-        print(json.dumps({
-            "bench": "plan_vs_measured", "metric": f"step_time_predicted_vs_measured_{name}",
-            "value": round(predicted, 4), "unit": "s", "baseline": round(measured, 4),
-            "ratio": round(predicted / measured, 3), "gemm_tflops_per_rank": round(dev.peak_tflops, 4),
-            "busbw_gbps": round(busbw, 3), "copy_gbps": round(copy, 2),
-        }), flush=True)
+        harness.emit(harness.record(
+            "plan_vs_measured", f"step_time_predicted_vs_measured_{name}", predicted, "s", measured,
+            gemm_tflops_per_rank=round(dev.peak_tflops, 4), busbw_gbps=round(busbw, 3), copy_gbps=round(copy, 2),
+            load_avg=harness.load_average()))
 
 
 if __name__ == "__main__":

@@ -24,12 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
 from mshpc.preflight.links import link_records
 from mshpc.preflight.record import Record
 from mshpc.preflight.thresholds import load_thresholds
 from mshpc.preflight.verdict import judge, verdict
 
-REPO = Path(__file__).resolve().parents[1]
 SLOW_FAULT = "gemm_slow:node={node}"
 JOB_TIMEOUT_S = 600
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED")
@@ -110,17 +111,18 @@ def summary(lines: list[dict], slow: str) -> list[dict]:
     caught_before = sum(x["excluded_one_sample_rule"] == [slow] for x in slowed)
     found = sum(slow in x["excluded"] for x in slowed)
     found_before = sum(slow in x["excluded_one_sample_rule"] for x in slowed)
-    return [
-        {"bench": "preflight_false_exclusions", "metric": "healthy_runs_excluding_a_node_vs_one_sample_rule",
-         "value": ours, "unit": f"runs of {len(healthy)}", "baseline": before,
-         "ratio": round(ours / before, 3) if before else None},
-        {"bench": "preflight_false_exclusions", "metric": "slowed_runs_excluding_the_slowed_node_vs_one_sample_rule",
-         "value": found, "unit": f"runs of {len(slowed)}", "baseline": found_before,
-         "ratio": round(found / found_before, 3) if found_before else None, "slowed_node": slow},
-        {"bench": "preflight_false_exclusions", "metric": "slowed_runs_excluding_exactly_the_slowed_node_vs_one_sample_rule",
-         "value": caught, "unit": f"runs of {len(slowed)}", "baseline": caught_before,
-         "ratio": round(caught / caught_before, 3) if caught_before else None, "slowed_node": slow},
-    ]
+    def count(metric: str, value: int, runs: int, baseline: int, **context: object) -> dict:
+        if not baseline:  # the one-sample rule excluded nothing: no ratio
+            return {**harness.record("preflight_false_exclusions", metric, value, f"runs of {runs}", digits=0),
+                    "baseline": baseline, "ratio": None, **context}
+        return harness.record("preflight_false_exclusions", metric, value, f"runs of {runs}", baseline, digits=0,
+                              **context)
+
+    return [count("healthy_runs_excluding_a_node_vs_one_sample_rule", ours, len(healthy), before),
+            count("slowed_runs_excluding_the_slowed_node_vs_one_sample_rule", found, len(slowed), found_before,
+                  slowed_node=slow),
+            count("slowed_runs_excluding_exactly_the_slowed_node_vs_one_sample_rule", caught, len(slowed),
+                  caught_before, slowed_node=slow)]
 
 
 def interleaved(healthy: int, slowed: int, slow: str) -> list[str | None]:
@@ -144,9 +146,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="preflight-bench-") as root:
         for i, who in enumerate(interleaved(args.healthy, args.slowed, slow)):
             lines.append(run(i, nodes, who, Path(root)))
-            print(json.dumps(lines[-1]), flush=True)
+            harness.emit(lines[-1])
     for line in summary(lines, slow):
-        print(json.dumps(line), flush=True)
+        harness.emit(line)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ ranks without a supervisor (no heartbeat thread), rounds interleaved, the order 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,7 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
+from mshpc.events import read_events, read_jsonl
+
 SMALL = ["model.n_layer=2", "model.d_model=128", "model.n_head=2", "model.seq_len=64", "optim.warmup_steps=2",
          "run.progress=none", "train.cpu_threads=1", "train.micro_batch=8"]
 HANG_TIMEOUT_S = 10.0
@@ -45,18 +47,13 @@ def train(out: Path, cache: Path, name: str, *sets: str, faults: str | None = No
     return out / name
 
 
-def events(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-
-
 def step_times(run: Path) -> list[float]:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in records[3:]]  # past warm-up
+    return [r["step_time_s"] for r in read_jsonl(run / "metrics.jsonl")[3:]]  # past warm-up
 
 
 def emit(metric: str, value: float, unit: str, baseline: float, **extra: object) -> None:
-    print(json.dumps({"bench": "recovery", "metric": metric, "value": round(value, 6), "unit": unit,
-                      "baseline": round(baseline, 4), "ratio": round(value / baseline, 5), **extra}), flush=True)
+    harness.emit(harness.record("recovery", metric, value, unit, baseline, digits=6, **extra,
+                                load_avg=harness.load_average()))
 
 
 def fault_run(out: Path, cache: Path, fault: str, steps: int) -> None:
@@ -64,7 +61,7 @@ def fault_run(out: Path, cache: Path, fault: str, steps: int) -> None:
             f"supervisor.timeout_floor_s={HANG_TIMEOUT_S}", "supervisor.stop_grace_s=2"]
     start = time.time()
     run = train(out, cache, fault, *sets, faults=f"{fault}:rank=1:step={steps // 2}:attempt=0")
-    evs = events(run)
+    evs = read_events(run)
     injected = next(e for e in evs if e["kind"] == "fault_injected")
     detected = next(e for e in evs if e["kind"] == "failure_detected")
     recovered = next(e for e in evs if e["kind"] == "recovered")
@@ -128,7 +125,7 @@ def heartbeat_cpu_s(step_s: float, interval_s: float, n: int = 20000) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--rounds", type=int, default=2)
+    harness.add_rounds(p, 2, "rounds of the heartbeat-overhead runs; each variant takes each place in turn")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         out, cache = Path(tmp, "runs"), Path(tmp, "cache")

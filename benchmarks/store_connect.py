@@ -15,17 +15,13 @@ reads it at start): if the stalls are the resolver's, they shrink from 5 s steps
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mshpc.launch.ports import free_port  # noqa: E402  (no torch import at module level)
+from mshpc.bench import harness
+from mshpc.launch.ports import free_port  # no torch import at module level
 
 RESOLVERS = {"machine": None, "timeout_1s": "timeout:1 attempts:1"}
 
@@ -73,17 +69,16 @@ def measure(world: int, rounds: int, res_options: str | None) -> list[list[tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=4)
+    harness.add_rounds(parser, 4, "store start-ups per resolver setting")
     args = parser.parse_args()
     for name, res_options in RESOLVERS.items():
         for i, got in enumerate(measure(args.ranks, args.rounds, res_options)):
             walls = sorted(w for w, _ in got)
-            print(json.dumps({"bench": "store_connect", "metric": "tcpstore_connect_s", "resolver": name,
-                              "res_options": res_options, "ranks": args.ranks, "round": i,
-                              "value": round(walls[-1], 3), "unit": "s", "median_s": round(walls[len(walls) // 2], 3),
-                              "ranks_over_0_9_s": sum(w > 0.9 for w in walls),
-                              "cpu_s_max": round(max(c for _, c in got), 4),
-                              "walls_s": [round(w, 2) for w in walls]}), flush=True)
+            harness.emit(harness.record(
+                "store_connect", "tcpstore_connect_s", walls[-1], "s", digits=3, resolver=name,
+                res_options=res_options, ranks=args.ranks, round=i, median_s=round(walls[len(walls) // 2], 3),
+                ranks_over_0_9_s=sum(w > 0.9 for w in walls), cpu_s_max=round(max(c for _, c in got), 4),
+                walls_s=[round(w, 2) for w in walls], load_avg=harness.load_average()))
 
 
 if __name__ == "__main__":

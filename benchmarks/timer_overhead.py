@@ -24,7 +24,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[1]
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
+
 WORLD = 2
 
 
@@ -92,8 +94,8 @@ def worker(rank: int, store: str, run_dir: str, args: argparse.Namespace, conn) 
         for timed in (True, False):
             step += 1
             step_time(step, timed, diag, loader, step_fn, cfg)
-    for round_ in range(args.rounds):
-        for timed in ((True, False) if round_ % 2 else (False, True)):
+    for order in harness.turns((False, True), args.rounds):
+        for timed in order:
             for _ in range(args.steps):
                 step += 1
                 times[timed].append(step_time(step, timed, diag, loader, step_fn, cfg))
@@ -107,7 +109,7 @@ def worker(rank: int, store: str, run_dir: str, args: argparse.Namespace, conn) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(REPO / "configs/tiny.yaml"))
-    p.add_argument("--rounds", type=int, default=12)
+    harness.add_rounds(p, 12, "rounds; a block of steps with the timers and one without in each, in turns")
     p.add_argument("--steps", type=int, default=5, help="steps per block")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
@@ -120,13 +122,14 @@ def main() -> None:
         for proc in procs:
             proc.join()
     on, off = statistics.median(results[0]["on"]), statistics.median(results[0]["off"])
-    print(json.dumps({"bench": "timer_overhead", "metric": "step_time_timers_on_vs_off", "value": round(on, 5),
-                      "unit": "s", "baseline": round(off, 5), "ratio": round(on / off, 4),
-                      "steps_each": len(results[0]["on"])}))
+    blocks = [[t[i:i + args.steps] for i in range(0, len(t), args.steps)] for t in (results[0]["on"], results[0]["off"])]
+    low, high = harness.paired_round_interval(*blocks)  # a round's two blocks ran side by side
+    harness.emit(harness.record("timer_overhead", "step_time_timers_on_vs_off", on, "s", off, digits=5,
+                                ratio_90pct=[round(low, 4), round(high, 4)], steps_each=len(results[0]["on"]),
+                                load_avg=harness.load_average()))
     cost = span_cost_s() * results[0]["spans"]
-    print(json.dumps({"bench": "timer_overhead", "metric": "span_cost_x_spans_per_step_vs_step_time",
-                      "value": round(cost, 7), "unit": "s", "baseline": round(off, 5),
-                      "ratio": round(1 + cost / off, 5), "spans_per_step": results[0]["spans"]}))
+    harness.emit(harness.record("timer_overhead", "span_cost_x_spans_per_step_vs_step_time", cost, "s", off, digits=7,
+                                spans_per_step=results[0]["spans"]) | {"ratio": round(1 + cost / off, 5)})
 
 if __name__ == "__main__":
     main()

@@ -41,13 +41,13 @@ $PY -c 'import torch; print("{\"bench\": \"gpu_run_all\", \"torch\": \"%s\", \"d
 if [ $DRY = 1 ]; then
   TINY=(--config configs/tiny.yaml --steps 4 --set model.n_layer=2 --set model.seq_len=64)
   stage gpu_tests $PY -m pytest tests/gpu -q -x -p no:cacheprovider
-  stage kernels $PY benchmarks/kernels.py --rounds 1 --no-compile --only adamw
+  stage kernels $PY benchmarks/fused_kernels.py --rounds 1 --no-compile --only adamw
   stage checkpoint $PY benchmarks/checkpoint.py --gib 0.05 --rounds 1
   stage preflight $PY -m mshpc preflight --level quick
   stage train $PY benchmarks/gpu/train_compare.py "${TINY[@]}"
 else
   stage gpu_tests $PY -m pytest tests/gpu -q -p no:cacheprovider
-  stage kernels $PY benchmarks/kernels.py --rounds 5 --device cuda
+  stage kernels $PY benchmarks/fused_kernels.py --rounds 5 --device cuda
   stage checkpoint $PY benchmarks/checkpoint.py --device cuda --rounds 3
   stage preflight $PY -m mshpc preflight --level standard
   stage train $PY benchmarks/gpu/train_compare.py --steps "${MSHPC_GPU_STEPS:-20}" \

@@ -16,7 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
+
 # What "off" means: the reference operators, no overlap of ZeRO or tensor-parallel collectives,
 # and the plain torch loader; the engine, bf16 and the model are the same.
 OFF = ["model.fused_kernels=off", "parallel.dp_overlap=false", "parallel.tp_overlap=false", "data.loader=torch"]
@@ -56,14 +58,10 @@ def main() -> None:
         runs = {}
         for name, extra in (("optimised", ON), ("baseline", OFF)):
             runs[name] = summary(train(args.config, [*args.set, *extra], args.steps, Path(tmp), name), world=1)
-            print(json.dumps({"bench": "gpu_train", "run": name, "config": Path(args.config).name, **runs[name]}),
-                  flush=True)
+            harness.emit({"bench": "gpu_train", "run": name, "config": Path(args.config).name, **runs[name]})
     on, off = runs["optimised"], runs["baseline"]
-    print(json.dumps({
-        "bench": "gpu_train", "metric": "tokens_per_s_per_gpu_optimised_vs_all_off",
-        "value": on["tokens_per_s_per_gpu"], "unit": "tokens/s", "baseline": off["tokens_per_s_per_gpu"],
-        "ratio": on["tokens_per_s_per_gpu"] / off["tokens_per_s_per_gpu"],
-    }))
+    harness.emit(harness.record("gpu_train", "tokens_per_s_per_gpu_optimised_vs_all_off", on["tokens_per_s_per_gpu"],
+                                "tokens/s", off["tokens_per_s_per_gpu"], digits=1, load_avg=harness.load_average()))
 
 
 if __name__ == "__main__":

@@ -22,22 +22,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from synthetic_run import shape_for  # a sibling module: Python puts benchmarks/scale/ first on the path
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.scale.synthetic_run import shape_for  # noqa: E402
-from mshpc.checkpoint.catalog import open_catalog  # noqa: E402
-from mshpc.checkpoint.group_read import plan_reads  # noqa: E402
-from mshpc.checkpoint.manifest import (  # noqa: E402
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
+from mshpc.checkpoint.catalog import open_catalog
+from mshpc.checkpoint.group_read import plan_reads
+from mshpc.checkpoint.manifest import (
     INDEX_FILE,
     Manifest,
     TensorEntry,
@@ -45,14 +43,14 @@ from mshpc.checkpoint.manifest import (  # noqa: E402
     read_manifest,
     write_manifest,
 )
-from mshpc.checkpoint.reader import CheckpointReader  # noqa: E402
-from mshpc.checkpoint.state import spread  # noqa: E402
-from mshpc.config import Config, load_config  # noqa: E402
-from mshpc.mesh_shape import Coords, MeshShape  # noqa: E402
-from mshpc.model.gpt import Block  # noqa: E402
-from mshpc.parallel.buckets import BucketLayout  # noqa: E402
-from mshpc.parallel.sharded_optim import STATE_KEYS  # noqa: E402
-from mshpc.parallel.zero_build import build_layouts  # noqa: E402
+from mshpc.checkpoint.reader import CheckpointReader
+from mshpc.checkpoint.state import spread
+from mshpc.config import Config, load_config
+from mshpc.mesh_shape import Coords, MeshShape
+from mshpc.model.gpt import Block
+from mshpc.parallel.buckets import BucketLayout
+from mshpc.parallel.sharded_optim import STATE_KEYS
+from mshpc.parallel.zero_build import build_layouts
 
 Param = tuple[str, tuple[int, ...], bool]  # checkpoint key, shape at this tp, tp-replicated
 
@@ -162,7 +160,7 @@ def slope(ns: list[int], values: list[float]) -> float:
 
 
 def emit(**fields: object) -> None:
-    print(json.dumps({"bench": "scale_checkpoint", **fields}), flush=True)
+    harness.emit({"bench": "scale_checkpoint", **fields})
 
 
 def restore_before(folder: Path, needs: list[list[tuple[str, int, int]]]) -> dict[str, float]:
@@ -207,7 +205,7 @@ def main() -> None:
     ns = sorted(args.n)
     for n in ns:
         shape = shape_for(n)
-        cfg = load_config(ROOT / "configs" / "gpt-175b.yaml",
+        cfg = load_config(REPO / "configs" / "gpt-175b.yaml",
                           [f"parallel.pp={shape.pp}", f"parallel.dp={shape.dp}", f"parallel.tp={shape.tp}"])
         manifest = manifest_for(cfg, shape)
         new_dp = max(1, shape.dp * 2 // 3)

@@ -28,22 +28,26 @@ import time
 from pathlib import Path
 
 import numpy as np
+from synthetic_run import (  # a sibling module: benchmarks/scale/ is first on the path
+    NODE_SIZE,
+    rank_lines,
+    shape_for,
+    write_run,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.scale.synthetic_run import NODE_SIZE, rank_lines, shape_for, write_run  # noqa: E402
-from mshpc.config import DiagnoseConfig  # noqa: E402
-from mshpc.diagnose.stragglers import StragglerWatch  # noqa: E402
-from mshpc.diagnose.timers import category  # noqa: E402
-from mshpc.diagnose.timings import RankInfo, header, rank_file  # noqa: E402
-from mshpc.diagnose.watch_stream import StreamWriter  # noqa: E402
+from mshpc.bench import harness
+from mshpc.bench.harness import REPO
+from mshpc.config import DiagnoseConfig
+from mshpc.diagnose.stragglers import StragglerWatch
+from mshpc.diagnose.timers import category
+from mshpc.diagnose.timings import RankInfo, header, rank_file
+from mshpc.diagnose.watch_stream import StreamWriter
 
 STEP_S = 5.0  # the paper's step at 12,288 GPUs is of this order; the target is 1% of it
 
 
 def emit(**fields: object) -> None:
-    print(json.dumps({"bench": "scale_diagnose", **fields}), flush=True)
+    harness.emit({"bench": "scale_diagnose", **fields})
 
 
 def slope(ns: list[int], values: list[float]) -> float:
@@ -107,7 +111,7 @@ def diagnose_cost(run_dir: Path) -> tuple[float, float, float]:
     """(wall s, peak RSS GiB, CPU s) of `mshpc diagnose run_dir` in a child process (CPU time
     says what the wall time would be on an idle core; this machine is shared)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-m", "mshpc", "diagnose", str(run_dir)], env=env,
                          capture_output=True, text=True)
@@ -146,7 +150,7 @@ def main() -> None:
             continue
         run_dir = args.work / f"run-{n}"
         gen = time.perf_counter()
-        write_run(run_dir, n, args.steps, slow_rank=n // 2 + 3, root=ROOT)
+        write_run(run_dir, n, args.steps, slow_rank=n // 2 + 3)
         wall, peak, cpu = diagnose_cost(run_dir)
         walls.append(wall)
         peaks.append(peak)

@@ -15,28 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from mshpc.config import PreflightConfig  # noqa: E402
-from mshpc.launch.ports import free_port  # noqa: E402
-from mshpc.preflight.links import exchange_gbps, my_peer, schedule  # noqa: E402
-from mshpc.preflight.tiers import TIERS  # noqa: E402
+from mshpc.bench import harness
+from mshpc.config import PreflightConfig
+from mshpc.preflight.links import exchange_gbps, my_peer, schedule
+from mshpc.preflight.tiers import TIERS
 
 NODE_SIZE = 8
 RAIL_GBPS = 200 / 8  # GB/s: one 200 Gb/s NIC per GPU (MegaScale sec. 6)
 
 
-def _pair_rank(rank: int, port: int, out: mp.SimpleQueue) -> None:
+def _pair_rank(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     q = TIERS["quick"]
     numel = q.pair_bytes["cpu"] // 4
@@ -46,25 +40,17 @@ def _pair_rank(rank: int, port: int, out: mp.SimpleQueue) -> None:
         exchange_gbps(rank, 1 - rank, numel, torch.device("cpu"), lambda: None, q.warmup["cpu"], q.iters["cpu"])
         times.append(time.perf_counter() - start)
     if rank == 0:
-        out.put(sorted(times)[1])
+        out.put(json.dumps(sorted(times)[1]))
     dist.destroy_process_group()
 
 
 def pair_exchange_s() -> float:
     """Median wall time of one quick-level pair exchange between two gloo ranks here."""
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_pair_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    return float(out.get())
+    return float(harness.run_local_ranks(_pair_rank, 2, ()))
 
 
 def emit(**fields: object) -> None:
-    print(json.dumps({"bench": "scale_preflight", **fields}), flush=True)
+    harness.emit({"bench": "scale_preflight", **fields})
 
 
 def main() -> None:

@@ -20,20 +20,15 @@ torch is imported.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from mshpc.launch.ports import free_port  # noqa: E402
+from mshpc.bench import harness
+from mshpc.launch.ports import free_port
 
 TIMEOUT_S = 600
 PAPER = {"naive_2048_s": 1047, "megascale_2048_s": 5, "megascale_over_10000_s": 30}  # MegaScale sec. 3.5
@@ -225,15 +220,15 @@ def main() -> None:
     args = ap.parse_args()
     ns = sorted(args.n)
     rate = store_ops_per_s()
-    print(json.dumps({"bench": "scale_rendezvous", "metric": "tcpstore_ops_per_s", "value": round(rate),
-                      "unit": "ops/s", "clients": 8}), flush=True)
+    harness.emit(harness.record("scale_rendezvous", "tcpstore_ops_per_s", rate, "ops/s", digits=0, clients=8,
+                                load_avg=harness.load_average()))
     for mode in [] if args.store_only else args.modes:
         rows = []
         for n in ns:
             r = run(n, mode == "lazy", args.tp, args.pp)
             rows.append(r)
-            print(json.dumps({"bench": "scale_rendezvous", "mode": mode, "N": n, "unit": "s / store ops / bytes",
-                              **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}}), flush=True)
+            harness.emit({"bench": "scale_rendezvous", "mode": mode, "N": n, "unit": "s / store ops / bytes",
+                          **{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}})
         ops_exp = slope(ns, [r["ops_per_rank_mean"] for r in rows])
         wall_exp = slope(ns, [r["total_s"] for r in rows])
         at = {m: rows[-1]["total_s"] * (m / ns[-1]) ** wall_exp for m in (2048, 12288)}
@@ -243,13 +238,12 @@ def main() -> None:
         # a rank on its own core: its own start-up CPU (measured, the median rank at the largest N)
         # plus the store's queue; the wall time measured here is N ranks sharing 2 cores instead
         cpu = rows[-1]["cpu_s_per_rank_median"]
-        print(json.dumps({"bench": "scale_rendezvous", "mode": mode, "metric": "growth_exponent",
-                          "unit": "log-log slope", "N": ns, "ops_per_rank": round(ops_exp, 3),
-                          "wall_2_cores": round(wall_exp, 3), "extrapolated_wall_2_cores_s_2048": round(at[2048], 1),
-                          "store_bound_s_2048": round(store_s[2048], 2), "store_bound_s_12288": round(store_s[12288], 2),
-                          "cpu_s_per_rank": round(cpu, 3),
-                          "modelled_s_2048": round(cpu + store_s[2048], 2), "modelled_s_12288": round(cpu + store_s[12288], 2),
-                          "paper": PAPER}), flush=True)
+        harness.emit({"bench": "scale_rendezvous", "mode": mode, "metric": "growth_exponent",
+                      "unit": "log-log slope", "N": ns, "ops_per_rank": round(ops_exp, 3),
+                      "wall_2_cores": round(wall_exp, 3), "extrapolated_wall_2_cores_s_2048": round(at[2048], 1),
+                      "store_bound_s_2048": round(store_s[2048], 2), "store_bound_s_12288": round(store_s[12288], 2),
+                      "cpu_s_per_rank": round(cpu, 3), "modelled_s_2048": round(cpu + store_s[2048], 2),
+                      "modelled_s_12288": round(cpu + store_s[12288], 2), "paper": PAPER})
 
 
 if __name__ == "__main__":

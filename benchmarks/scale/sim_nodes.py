@@ -42,16 +42,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # mshpc of this checkout, when run as a script
-    sys.path.insert(0, str(ROOT))
-
-from mshpc.config import Config, RunConfig, SupervisorConfig, TrainConfig  # noqa: E402
-from mshpc.events import EVENTS_FILE  # noqa: E402
-from mshpc.launch.monitor import RankState  # noqa: E402
-from mshpc.launch.node_relay import closed_message, line, node_hello, rank_envelope  # noqa: E402
-from mshpc.launch.recovery import NodePool  # noqa: E402
-from mshpc.launch.supervisor import Supervisor  # noqa: E402
+from mshpc.bench import harness
+from mshpc.config import Config, RunConfig, SupervisorConfig, TrainConfig
+from mshpc.events import EVENTS_FILE
+from mshpc.launch.monitor import RankState
+from mshpc.launch.node_relay import closed_message, line, node_hello, rank_envelope
+from mshpc.launch.recovery import NodePool
+from mshpc.launch.supervisor import Supervisor
 
 NODE_SIZE = 8
 FAULTS = ("silent", "crash_node", "stuck", "straggler")  # one per attempt, in this order
@@ -424,8 +421,8 @@ def slope(xs: list[float], ys: list[float]) -> float:
 
 
 def emit(metric: str, value: Any, unit: str, n: int | None = None, **extra: Any) -> None:
-    print(json.dumps({"bench": "scale_supervisor", "metric": metric, "value": value, "unit": unit,
-                      **({"n": n} if n is not None else {}), **extra}), flush=True)
+    harness.emit({"bench": "scale_supervisor", "metric": metric, "value": value, "unit": unit,
+                  **({"n": n} if n is not None else {}), **extra})
 
 
 def _one(world: int, seed: int, measure_s: float) -> None:

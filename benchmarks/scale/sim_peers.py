@@ -131,11 +131,12 @@ def largest_world() -> int:
 
 
 def serve(world: int, token: str, root: str, hello_timeout_s: float | None) -> None:
-    """A real Monitor, mshpc imported from `root`; prints its port, then {"registered": k, "t":
-    monotonic} as k grows, until stdin closes. CLOCK_MONOTONIC is the machine's, so the driver
-    can compare times."""
-    sys.path.insert(0, root)
+    """A real Monitor, mshpc imported from `root` (the driver puts it first on PYTHONPATH); prints
+    its port, then {"registered": k, "t": monotonic} as k grows, until stdin closes.
+    CLOCK_MONOTONIC is the machine's, so the driver can compare times."""
     from mshpc.launch.monitor import Monitor
+
+    assert Path(sys.modules[Monitor.__module__].__file__ or "").is_relative_to(root), "mshpc not from ROOT"
 
     raise_nofile(world + FD_MARGIN)
     monitor = Monitor(world, token) if hello_timeout_s is None else Monitor(world, token, hello_timeout_s=hello_timeout_s)
@@ -159,8 +160,10 @@ class Supervisor:
 
     def __init__(self, world: int, token: str, root: Path, hello_timeout_s: float | None) -> None:
         extra = [] if hello_timeout_s is None else ["--hello-timeout-s", str(hello_timeout_s)]
+        # the checkout under `root` first on the path: its mshpc, not the installed one (a baseline revision)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))}
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", str(world), token, str(root), *extra],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert self.proc.stdout is not None
         first = self.proc.stdout.readline()
         if not first:
@@ -201,8 +204,12 @@ class Supervisor:
 
 
 def emit(metric: str, value: float, unit: str, n: int | None = None, **extra: Any) -> None:
-    print(json.dumps({"bench": "scale_monitor", "metric": metric, "value": value, "unit": unit,
-                      **({"n": n} if n is not None else {}), **extra}), flush=True)
+    # imported here, not at the top: the serving process may run a baseline revision's mshpc,
+    # which has no mshpc.bench
+    from mshpc.bench import harness
+
+    harness.emit({"bench": "scale_monitor", "metric": metric, "value": value, "unit": unit,
+                  **({"n": n} if n is not None else {}), **extra})
 
 
 async def measure(world: int, root: Path, measure_s: float = MEASURE_S,

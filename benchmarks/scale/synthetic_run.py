@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from mshpc.bench.harness import REPO
 from mshpc.config import load_config, to_dict
 from mshpc.diagnose.timings import RankInfo, header, rank_file
 from mshpc.mesh_shape import MeshShape
@@ -33,8 +34,8 @@ def shape_for(n_ranks: int) -> MeshShape:
     return MeshShape(pp=pp, dp=n_ranks // (8 * pp), tp=8)
 
 
-def write_config(run_dir: Path, shape: MeshShape, root: Path) -> None:
-    cfg = load_config(root / "configs" / "gpt-175b.yaml",
+def write_config(run_dir: Path, shape: MeshShape) -> None:
+    cfg = load_config(REPO / "configs" / "gpt-175b.yaml",
                       [f"parallel.pp={shape.pp}", f"parallel.dp={shape.dp}", f"parallel.tp={shape.tp}",
                        f"run.name=synthetic-{shape.world_size}"])
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -69,11 +70,11 @@ def rank_lines(rank: int, steps: int, common: np.ndarray, rng: np.random.Generat
     return lines
 
 
-def write_run(run_dir: Path, n_ranks: int, steps: int, slow_rank: int | None, root: Path,
+def write_run(run_dir: Path, n_ranks: int, steps: int, slow_rank: int | None,
               slow_from: int = 100, factor: float = 1.3, noise: float = 0.03, seed: int = 0) -> MeshShape:
     """Write config.yaml and every rank's timings file; returns the mesh."""
     shape = shape_for(n_ranks)
-    write_config(run_dir, shape, root)
+    write_config(run_dir, shape)
     rng = np.random.default_rng(seed)
     common = rng.lognormal(0, noise, steps)
     variants: dict[int, str] = {}  # VARIANTS healthy bodies, reused: formatting 12 million lines is the slow part

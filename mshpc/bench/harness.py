@@ -53,16 +53,22 @@ def paired_round_interval(top: list[list[float]], bottom: list[list[float]],
     return ratios[int(0.05 * draws)], ratios[int(0.95 * draws) - 1]
 
 
+def ratio(value: float, baseline: float) -> float:
+    """value / baseline to 4 significant digits: 1.093 and 0.002743 alike."""
+    return float(f"{value / baseline:.4g}")
+
+
 def paired(ours: Sequence[float], base: Sequence[float], digits: int = 4) -> dict[str, Any]:
     """Two contenders' per-round samples, taken side by side: medians, their ratio with its 90%
     interval over resampled rounds, and the per-round ratios' median and range."""
     per_round = [a / b for a, b in zip(ours, base, strict=True)]
     low, high = paired_round_interval([[a] for a in ours], [[b] for b in base])
     return {"value": round(statistics.median(ours), digits), "baseline": round(statistics.median(base), digits),
-            "ratio": round(statistics.median(ours) / statistics.median(base), 3),
-            "ratio_90pct": [round(low, 3), round(high, 3)],
-            "ratio_per_round": {"median": round(statistics.median(per_round), 3), "min": round(min(per_round), 3),
-                                "max": round(max(per_round), 3)}, "rounds": len(ours)}
+            "ratio": ratio(statistics.median(ours), statistics.median(base)),
+            "ratio_90pct": [float(f"{low:.4g}"), float(f"{high:.4g}")],
+            "ratio_per_round": {"median": float(f"{statistics.median(per_round):.4g}"),
+                                "min": float(f"{min(per_round):.4g}"), "max": float(f"{max(per_round):.4g}")},
+            "rounds": len(ours)}
 
 
 def time_rounds(steps: Mapping[str, tuple[Callable[[], None], Callable[[], None]]], rounds: int,
@@ -98,12 +104,12 @@ def load_average() -> float:
 def record(bench: str, metric: str, value: float, unit: str, baseline: float | None = None, *,
            digits: int = 4, **context: Any) -> dict[str, Any]:
     """One result: `value` (ours) in `unit`; with a `baseline` measured in the same run, also the
-    baseline and `ratio` = value / baseline (3 digits). Name the baseline in `metric`
+    baseline and `ratio` = value / baseline (4 significant digits). Name the baseline in `metric`
     (`step_time_overlap_vs_torch_ddp`); `context` holds the shape, link, load, interval..."""
     line: dict[str, Any] = {"bench": bench, "metric": metric, "value": round(value, digits), "unit": unit}
     if baseline is not None:
         line["baseline"] = round(baseline, digits)
-        line["ratio"] = round(value / baseline, 3)
+        line["ratio"] = ratio(value, baseline)
     return {**line, **context}
 
 

@@ -32,7 +32,7 @@ def compile_kernels(mode: str, device: torch.device, kernels: Kernels) -> Kernel
     """The operators a compiled block runs, for model.fused_kernels = `mode` and `kernels` (what
     the model chose eagerly). On CUDA, `auto` takes the pure-torch references: inductor fuses
     them into its own Triton kernels, which ran 1.8-4.5x faster than mshpc's CUDA kernels on the
-    H200 (benchmarks/kernels.py, *_vs_compiled), while a custom operator is opaque to it. On CPU
+    H200 (benchmarks/fused_kernels.py, *_vs_compiled), while a custom operator is opaque to it. On CPU
     the fused C++ twins stay: see docs/benchmarks/kernels_cpu2_2026-12-04.md for the measurement. `on` keeps
     the fused kernels everywhere, as asked."""
     if mode == "auto" and device.type == "cuda" and kernels.fused:

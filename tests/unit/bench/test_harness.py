@@ -29,7 +29,7 @@ def test_the_interval_resamples_rounds_in_pairs():
 def test_a_record_names_its_baseline_and_carries_the_ratio_and_context():
     line = harness.record("ckpt", "blocking_s_vs_torch_save", 0.04, "s", 1.9, load_avg=[1.2, 1.4])
     assert line == {"bench": "ckpt", "metric": "blocking_s_vs_torch_save", "value": 0.04, "unit": "s",
-                    "baseline": 1.9, "ratio": 0.021, "load_avg": [1.2, 1.4]}
+                    "baseline": 1.9, "ratio": 0.02105, "load_avg": [1.2, 1.4]}
     assert "ratio" not in harness.record("ckpt", "state_size", 1.0, "GiB")
     json.dumps(line)  # one JSON line
 

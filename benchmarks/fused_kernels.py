@@ -8,31 +8,27 @@ so that all three see the same machine load; the median round counts. Bandwidth 
 number of bytes each op must move over its time, against the device's peak on GPU (table
 below) and against a same-run tensor copy on CPU.
 
-    .venv/bin/python benchmarks/kernels.py [--device auto|cpu|cuda] [--rounds 7] [--no-compile]
+    .venv/bin/python benchmarks/fused_kernels.py [--device auto|cpu|cuda] [--rounds 7] [--no-compile]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mshpc.config import ModelConfig  # noqa: E402
-from mshpc.kernels import build, ops, reference  # noqa: E402
-from mshpc.model.gpt import GPT, loss_fn  # noqa: E402
-from mshpc.optim.multi_tensor import FusedAdamW  # noqa: E402
-from mshpc.parallel.sharded_optim import FusedShardedLamb, ShardedLamb  # noqa: E402
+from mshpc.bench import harness
+from mshpc.config import ModelConfig
+from mshpc.kernels import build, ops, reference
+from mshpc.model.gpt import GPT, loss_fn
+from mshpc.optim.multi_tensor import FusedAdamW
+from mshpc.parallel.sharded_optim import FusedShardedLamb, ShardedLamb
 
 # HBM peak GB/s per device (vendor datasheets, SXM parts).
 PEAK_HBM_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
@@ -150,7 +146,8 @@ def timed(fn: Callable[[], object], device: str, iters: int) -> float:
     return (time.perf_counter() - start) / iters
 
 
-def measure(case: Case, device: str, rounds: int) -> dict[str, float]:
+def measure(case: Case, device: str, rounds: int) -> dict[str, list[float]]:
+    """Each variant's seconds per call, one sample per round; the variants take turns in a round."""
     variants = {"fused": case.fused, **case.baselines}
     iters = {}
     for name, fn in variants.items():  # warm up (and compile), then size a round to ~0.2 s
@@ -161,7 +158,7 @@ def measure(case: Case, device: str, rounds: int) -> dict[str, float]:
     for _ in range(rounds):
         for name, fn in variants.items():
             samples[name].append(timed(fn, device, iters[name]))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
 
 
 def copy_gbps(device: str) -> float:
@@ -172,27 +169,28 @@ def copy_gbps(device: str) -> float:
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
-def emit(case: Case, times: dict[str, float], device: str, dtype: str, peak_gbps: float | None) -> None:
-    """A line per baseline (eager first, with the bandwidths, then compiled and others);
-    the bandwidth ceiling is the device's HBM peak on GPU, a same-run copy on CPU."""
+def emit(case: Case, samples: dict[str, list[float]], device: str, dtype: str, peak_gbps: float | None) -> None:
+    """A line per baseline (eager first, with the bandwidths, then compiled and others), its ratio
+    with the paired-round interval; the bandwidth ceiling is the device's HBM peak on GPU, a
+    same-run copy on CPU."""
     ceiling = "peak" if device == "cuda" else "copy"
+    times = {name: statistics.median(s) for name, s in samples.items()}
     for baseline in case.baselines:
-        line = {"bench": "kernels", "metric": f"{case.name}_time_vs_{baseline}", "value": times["fused"],
-                "unit": "s", "baseline": times[baseline], "ratio": times["fused"] / times[baseline],
-                "device": device, "dtype": dtype}
+        line = {"bench": "kernels", "metric": f"{case.name}_time_vs_{baseline}", "unit": "s",
+                **harness.paired(samples["fused"], samples[baseline], digits=7), "device": device, "dtype": dtype}
         if case.bytes_moved and baseline == "eager":
             gbps = case.bytes_moved / times["fused"] / 1e9
             line.update(achieved_gbps=round(gbps, 1), eager_gbps=round(case.bytes_moved / times["eager"] / 1e9, 1))
             if peak_gbps is not None:
                 line.update({f"{ceiling}_gbps": round(peak_gbps, 1), f"fraction_of_{ceiling}": round(gbps / peak_gbps, 3)})
-        print(json.dumps(line), flush=True)
+        harness.emit(line)
 
 
 def peak_for(device: str) -> tuple[float | None, str]:
     if device != "cuda":
         gbps = copy_gbps(device)
-        print(json.dumps({"bench": "kernels", "metric": "cpu_copy_bandwidth", "value": round(gbps, 1),
-                          "unit": "GB/s", "threads": torch.get_num_threads()}), flush=True)
+        harness.emit(harness.record("kernels", "cpu_copy_bandwidth", gbps, "GB/s", digits=1,
+                                    threads=torch.get_num_threads()))
         return gbps, "same-run tensor copy"
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_HBM_GBPS.items() if k in name.upper()), None)
@@ -202,14 +200,14 @@ def peak_for(device: str) -> tuple[float | None, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--rounds", type=int, default=7)
+    harness.add_rounds(parser, 7, "timed runs of each contender, taking turns; the median counts")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
     parser.add_argument("--only", default="", help="run the cases whose name contains this, e.g. adamw")
     args = parser.parse_args()
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
     loaded = build.load()
-    print(json.dumps({"bench": "kernels", "metric": "kernels_ready", "value": round(loaded.built_s, 2), "unit": "s",
-                      "cuda": loaded.cuda, "torch": torch.__version__}), flush=True)
+    harness.emit(harness.record("kernels", "kernels_ready", loaded.built_s, "s", digits=2, cuda=loaded.cuda,
+                                torch=torch.__version__, load_avg=harness.load_average()))
     with tempfile.TemporaryDirectory() as tmp:  # ShardedLamb all-reduces its norms: a group of one
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         try:
