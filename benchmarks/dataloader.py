@@ -222,8 +222,9 @@ def main() -> None:
     consumed = model_tokens_per_s(cfg, dataset, args.steps)
     delivered = loader_tokens_per_s(cfg, dataset, batches=max(200, 10 * args.steps))
     dist.destroy_process_group()
-    harness.emit(harness.record("dataloader", "loader_tokens_per_s_vs_model_consumption", delivered, "tokens/s",
-                                consumed, digits=0, threads=torch.get_num_threads(), load_avg=harness.load_average()))
+    harness.emit(harness.record("dataloader", "loader_tokens_per_s_vs_model_consumption", round(delivered),
+                                "tokens/s", round(consumed), digits=0, threads=torch.get_num_threads(),
+                                load_avg=harness.load_average()))
     dataset.close()  # the reader comparison below opens the shards itself
     cfg_args = (args.config, [f"parallel.tp={args.tp}"])
     for out in compare_readers(cfg_args, dataset_path(cfg.data), args.ranks, args.tp, args.batches):
