@@ -220,7 +220,7 @@ def main() -> None:
     args = ap.parse_args()
     ns = sorted(args.n)
     rate = store_ops_per_s()
-    harness.emit(harness.record("scale_rendezvous", "tcpstore_ops_per_s", rate, "ops/s", digits=0, clients=8,
+    harness.emit(harness.record("scale_rendezvous", "tcpstore_ops_per_s", round(rate), "ops/s", digits=0, clients=8,
                                 load_avg=harness.load_average()))
     for mode in [] if args.store_only else args.modes:
         rows = []
