@@ -63,6 +63,25 @@ MSHPC_TWINS(mshpc_rope, const void* x, void* y, const void* cos, const void* sin
             int64_t b, int64_t s, int64_t h, int64_t hd, int64_t stride_b, int64_t stride_s,
             int64_t stride_h, int inverse, void* stream)
 
+/* Mixture of experts: tokens to expert order and back. pos (tokens, k) int64 holds, for each
+ * token's j-th routed expert, the row of the permuted tensor it occupies, or -1 when the capacity
+ * dropped it; the kept rows are exactly [0, rows) and each is named once. Every output row is
+ * written by one thread block from its own inputs (gathers, no atomics): deterministic.
+ *
+ * permute: xp[pos[t, j]] = x[t] (rows of `cols`).
+ * permute_bwd: dx[t] = sum_j dxp[pos[t, j]] over the kept j, summed in acc, 0 if none.
+ * unpermute: out[t] = sum_j w[t, j] * y[pos[t, j]], w (tokens, k) acc (the router's weights).
+ * unpermute_bwd: dy[pos[t, j]] = w[t, j] * dout[t]; dw[t, j] = <dout[t], y[pos[t, j]]> (acc; 0
+ * for a dropped j). */
+MSHPC_TWINS(mshpc_moe_permute_fwd, const void* x, const int64_t* pos, void* xp, int dtype, int64_t tokens,
+            int64_t k, int64_t cols, void* stream)
+MSHPC_TWINS(mshpc_moe_permute_bwd, const void* dxp, const int64_t* pos, void* dx, int dtype, int64_t tokens,
+            int64_t k, int64_t cols, void* stream)
+MSHPC_TWINS(mshpc_moe_unpermute_fwd, const void* y, const int64_t* pos, const void* w, void* out, int dtype,
+            int64_t tokens, int64_t k, int64_t cols, void* stream)
+MSHPC_TWINS(mshpc_moe_unpermute_bwd, const void* dout, const void* y, const int64_t* pos, const void* w,
+            void* dy, void* dw, int dtype, int64_t tokens, int64_t k, int64_t cols, void* stream)
+
 /* Multi-tensor optimizer steps over n fp32 tensors in one launch. `table` (on the tensors'
  * device) holds int64s: 4 * n addresses (param, grad, exp_avg, exp_avg_sq for each tensor),
  * then n element counts, then n + 1 chunk offsets (tensor t covers chunks [off[t], off[t+1])

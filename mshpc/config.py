@@ -30,6 +30,36 @@ def at_least(bound: float, *, default: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts in place of the MLP of some layers (mshpc/model/moe.py; docs/moe.md)."""
+
+    n_experts: int = at_least(1, default=8)
+    top_k: int = at_least(1, default=2)  # routed experts per token
+    expert_ffn_dim: int | None = at_least(1, default=None)  # each expert's SwiGLU width; None: model.ffn_width
+    # always-on experts beside the routed ones (DeepSeek, Qwen2-MoE): one SwiGLU MLP of
+    # n_shared_experts * expert_ffn_dim; shared_expert_gate scales it by sigmoid(x w) (Qwen2-MoE)
+    n_shared_experts: int = at_least(0, default=0)
+    shared_expert_gate: bool = False
+    # softmax_topk: softmax over the experts, the top k (Mixtral, Qwen); sigmoid_bias: sigmoid
+    # scores, the top k of score + a per-expert bias that each step nudges toward balance by
+    # bias_update_rate (DeepSeek-V3 sec. 2.1.2, no auxiliary loss needed)
+    router: Literal["softmax_topk", "sigmoid_bias"] = "softmax_topk"
+    norm_topk_prob: bool = True  # the k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE)
+    bias_update_rate: float = at_least(0.0, default=1e-3)
+    aux_loss_coef: float = at_least(0.0, default=0.01)  # Switch Transformer's load-balancing loss (Fedus et al. 2022 eq. 4)
+    z_loss_coef: float = at_least(0.0, default=0.0)  # ST-MoE's router z-loss (Zoph et al. 2022 eq. 5)
+    # tokens an expert takes per micro-batch: ceil(capacity_factor * tokens * top_k / n_experts),
+    # the lowest-weighted beyond it dropped (Megatron's "probs" policy); null: dropless
+    capacity_factor: float | None = None
+    # layer i is a mixture of experts when i >= first_dense_layers and i % every == 0 (DeepSeek's rule)
+    first_dense_layers: int = at_least(0, default=0)
+    every: int = at_least(1, default=1)
+    # how the experts' GEMMs run: grouped_mm (torch._grouped_mm, one kernel for every expert),
+    # loop (one GEMM per expert), auto: grouped_mm where this torch and device have it
+    experts_impl: Literal["auto", "grouped_mm", "loop"] = "auto"
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = at_least(2, default=257)  # byte tokenizer: 256 bytes + end-of-document
     seq_len: int = at_least(1, default=256)
@@ -56,6 +86,10 @@ class ModelConfig:
     # grouped-query attention (Ainslie et al. 2023): key/value heads, dividing n_head; 1 is
     # multi-query attention; None: n_head (plain multi-head attention)
     n_kv_head: int | None = at_least(1, default=None)
+    # each head's width; None: d_model / n_head. Qwen3 widens it (d 2048, 32 heads of 128)
+    head_dim: int | None = at_least(2, default=None)
+    qk_norm: bool = False  # RMSNorm of each q and k head over head_dim before RoPE (Qwen3, OLMo 2)
+    moe: MoEConfig | None = None  # a mixture of experts in some layers' place of the MLP; null: dense
 
     @property
     def ffn_width(self) -> int:
@@ -63,9 +97,35 @@ class ModelConfig:
         return self.ffn_dim if self.ffn_dim is not None else self.mlp_ratio * self.d_model
 
     @property
+    def head_size(self) -> int:
+        """Each attention head's width: head_dim, or d_model / n_head when it is not set."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_head
+
+    @property
     def kv_heads(self) -> int:
         """Key/value heads: n_kv_head, or n_head when it is not set."""
         return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def expert_ffn(self) -> int:
+        """Each routed expert's width: moe.expert_ffn_dim, or ffn_width when it is not set."""
+        assert self.moe is not None, "a dense model has no experts"
+        return self.moe.expert_ffn_dim if self.moe.expert_ffn_dim is not None else self.ffn_width
+
+    @property
+    def shared_ffn(self) -> int:
+        """Width of the shared experts' one MLP (0: none): n_shared_experts * expert_ffn."""
+        return 0 if self.moe is None else self.moe.n_shared_experts * self.expert_ffn
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer `i` has a mixture of experts in place of its MLP."""
+        moe = self.moe
+        return moe is not None and i >= moe.first_dense_layers and i % moe.every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are mixtures of experts."""
+        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
 
 
 @dataclass(frozen=True)
@@ -97,6 +157,14 @@ class ParallelConfig:
     # written (dp fitted to the world); auto: `mshpc plan`'s fastest layout that fits the world
     # the job gets, at this config's global batch (mshpc/plan/auto_layout.py)
     layout: Literal["manual", "auto"] = "manual"
+    # expert parallelism (model.moe): each MoE layer's experts split over ep ranks carved out of
+    # the data-parallel ones (Megatron-Core's rule), tokens sent to their experts' ranks and back
+    # by all-to-all; ep divides dp and moe.n_experts (docs/moe.md)
+    ep: int = at_least(1, default=1)
+    # the dispatch of one chunk of a micro-batch's tokens runs while the previous chunk's experts
+    # compute, and the shared experts while the first is in flight (MegaScale-MoE sec. 4)
+    ep_overlap: bool = True
+    ep_overlap_chunks: int = at_least(1, default=2)
 
     @property
     def world_size(self) -> int:
@@ -365,6 +433,17 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{key}={value!r} has the wrong type (expected {_describe(tp)})")
 
 
+def _section(tp: Any) -> type | None:
+    """The dataclass of a section's annotation (`X` or an optional `X | None`), else None."""
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(arms) == 1 and isinstance(arms[0], type) and dataclasses.is_dataclass(arms[0]):
+            return arms[0]
+    return None
+
+
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
@@ -381,9 +460,11 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         dotted = f"{prefix}{key}"
         if key not in hints:
             raise _unknown_key(dotted, names)
-        tp = hints[key]
-        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{dotted}.")
+        tp, section = hints[key], _section(hints[key])
+        if section is not None and not (value is None and section is not tp):  # an optional section may be null
+            kwargs[key] = _build(section, value, f"{dotted}.")
+        elif section is not None:
+            kwargs[key] = None
         else:
             kwargs[key] = _coerce(dotted, value, tp)
     return cls(**kwargs)
@@ -418,15 +499,18 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         hints = _hints(cls)
         if part not in hints:
             raise _unknown_key(dotted, [f.name for f in dataclasses.fields(cls)])
+        section = _section(hints[part])
         if depth == len(parts) - 1:
-            if dataclasses.is_dataclass(hints[part]):
+            if section is hints[part]:  # an optional section may be set whole: model.moe=null or {}
                 raise ConfigError(f"override {key!r} names a section; give one of its keys")
             node[part] = parse_yaml(raw, f"override {override!r}") if raw else ""
             return
-        cls = hints[part]
-        if not dataclasses.is_dataclass(cls):
+        if section is None:
             raise ConfigError(f"override {key!r}: {dotted!r} is a value, not a section")
-        node = node.setdefault(part, {})
+        cls = section
+        if not isinstance(node.get(part), dict):  # absent, or an optional section set to null
+            node[part] = {}
+        node = node[part]
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -525,15 +609,14 @@ def _check_minimums(section: Any, prefix: str) -> None:
 
 
 def _check_model(m: ModelConfig) -> None:
-    if m.d_model % m.n_head:
+    if m.head_dim is None and m.d_model % m.n_head:
         raise ConfigError(
             f"model.n_head={m.n_head} does not divide model.d_model={m.d_model} "
-            f"(choose {_divisors(m.d_model)})"
+            f"(choose {_divisors(m.d_model)}, or set model.head_dim)"
         )
-    if (m.d_model // m.n_head) % 2:
-        raise ConfigError(
-            f"model.d_model/model.n_head={m.d_model // m.n_head} must be even for rotary embeddings"
-        )
+    if m.head_size % 2:
+        what = "model.head_dim" if m.head_dim is not None else "model.d_model/model.n_head"
+        raise ConfigError(f"{what}={m.head_size} must be even for rotary embeddings")
     if m.sliding_window is not None and m.sliding_window < 1:
         raise ConfigError(f"model.sliding_window={m.sliding_window} must be >= 1 or null (off)")
     if m.mlp == "swiglu" and m.mlp_bias:
@@ -545,6 +628,39 @@ def _check_model(m: ModelConfig) -> None:
             f"model.n_kv_head={m.n_kv_head} does not divide model.n_head={m.n_head} "
             f"(choose {_divisors(m.n_head)})"
         )
+
+
+def _check_moe(m: ModelConfig) -> None:
+    moe = m.moe
+    if moe is None:
+        return
+    if moe.top_k > moe.n_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} is above model.moe.n_experts={moe.n_experts} "
+                          f"(choose 1 to {moe.n_experts})")
+    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+        raise ConfigError(f"model.moe.capacity_factor={moe.capacity_factor} must be > 0, or null (dropless)")
+    if m.moe_layers == 0:
+        raise ConfigError(f"model.moe.first_dense_layers={moe.first_dense_layers} and model.moe.every={moe.every} "
+                          f"leave no mixture-of-experts layer among model.n_layer={m.n_layer} (lower them, or "
+                          "set model.moe to null)")
+    if m.parallel_block:
+        # the parallel block feeds attention and the MLP one normed input and fuses their tp
+        # collectives; Mixtral, Qwen and DeepSeek are serial blocks
+        raise ConfigError("model.moe with model.parallel_block=true is not available (choose "
+                          "model.parallel_block=false)")
+    if moe.shared_expert_gate and moe.n_shared_experts == 0:
+        raise ConfigError("model.moe.shared_expert_gate=true needs model.moe.n_shared_experts >= 1")
+
+
+def _check_ep(m: ModelConfig, p: ParallelConfig) -> None:
+    """ep against the model; against dp where dp is fitted to the world (resolve_world)."""
+    if p.ep == 1:
+        return
+    if m.moe is None:
+        raise ConfigError(f"parallel.ep={p.ep} needs a mixture of experts (set model.moe, or parallel.ep=1)")
+    if m.moe.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide model.moe.n_experts={m.moe.n_experts} "
+                          f"(choose {_divisors(m.moe.n_experts)})")
 
 
 def check_layout(*, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig) -> None:
@@ -591,6 +707,7 @@ def check_layout(*, model: ModelConfig, parallel: ParallelConfig, train: TrainCo
                           f"parallel.pp={p.pp} (choose a multiple of {p.pp}, or virtual_stages 1)")
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (MiB of fp32 gradients per bucket)")
+    _check_ep(m, p)
 
 
 def _check_diagnose(d: DiagnoseConfig) -> None:
@@ -627,6 +744,7 @@ def validate(cfg: Config) -> Config:
     """Check every value and combination; return the config unchanged."""
     _check_minimums(cfg, "")
     _check_model(cfg.model)
+    _check_moe(cfg.model)
     check_layout(model=cfg.model, parallel=cfg.parallel, train=cfg.train, optim=cfg.optim)
     if cfg.data.per_node_reader and cfg.data.loader == "dali":
         raise ConfigError("data.per_node_reader=true reads with the torch reader into shared memory; "
@@ -648,6 +766,11 @@ def resolve_world(cfg: Config, world_size: int) -> Config:
             f"(launch a multiple of {model_parallel} ranks)"
         )
     dp = world_size // model_parallel
+    if dp % cfg.parallel.ep:
+        raise ConfigError(
+            f"world size {world_size} gives dp={dp} (world / (tp*pp)), which parallel.ep={cfg.parallel.ep} does not "
+            f"divide (launch a multiple of tp*pp*ep={model_parallel * cfg.parallel.ep} ranks)"
+        )
     if dp == cfg.parallel.dp:
         return cfg
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp))

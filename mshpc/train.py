@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from mshpc.checkpoint.paths import checkpoint_root
 from mshpc.checkpoint.train_checkpoint import TrainCheckpointer
 from mshpc.config import (
     Config,
+    ModelConfig,
     OptimConfig,
     ParallelConfig,
     TrainConfig,
@@ -52,6 +54,7 @@ from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn, parallelize
 from mshpc.parallel.compile_blocks import compile_seconds
+from mshpc.parallel.expert_load import ExpertLoad, load_metrics
 from mshpc.parallel.mesh import Mesh, build_mesh
 from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
 from mshpc.parallel.update import clipped_update
@@ -231,6 +234,15 @@ def build_model_step(cfg: Config, mesh: Mesh, rt: Runtime) -> tuple[ZeroEngine, 
                                                   parallel=parallel)
 
 
+def moe_row(load: ExpertLoad | None, model_cfg: ModelConfig) -> dict[str, Any]:
+    """The step's mixture-of-experts metrics (load per expert and layer, imbalance, dropped
+    tokens, router losses), the router biases moved; {} for a dense model. Collective over the world."""
+    if load is None or model_cfg.moe is None:
+        return {}
+    layers = [i for i in range(model_cfg.n_layer) if model_cfg.is_moe_layer(i)]
+    return load_metrics(load.after_step(), model_cfg.moe, layers)
+
+
 def build_eval(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, engine: ZeroEngine) -> Evaluator | None:
     """This rank's evaluator of the held-out split, or None with eval.interval_steps 0. After
     build_data (rank 0 prepares the embedded corpus there). Collective over the pp group."""
@@ -275,8 +287,9 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                  faults: FaultHooks = NO_FAULTS, beat: Heartbeat | None = None) -> list[float]:
     """The loop itself; returns the global mean loss of every step this process trained."""
     p = cfg.parallel
-    mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))  # every group, once
+    mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep))  # every group, once
     engine, step_fn = build_model_step(cfg, mesh, rt)
+    load = ExpertLoad(engine.model, cfg.model.moe, cfg.model.n_layer) if cfg.model.moe else None
     optimizer = engine.optimizer  # over this rank's fp32 shard
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     # Per-rank dropout masks, as DP needs; tp ranks drop out of different tokens (sequence
@@ -308,6 +321,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             beat.phase("compile" if cfg.train.compile and step == start_step else "step", step)
             faults.at_step(step)
             loss, grad_norm = step_fn(batch)
+            moe_metrics = moe_row(load, cfg.model)  # before the next step: the router biases move
             compile_row = compile_report(cfg.train, step == start_step, info.rank)
             stage1_wait_s = ckpt.pop_stage1_wait()
             lr = scheduler.get_last_lr()[0]
@@ -330,7 +344,7 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
                     "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu, "tflops": tflops,
                     "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
                     "ckpt_stage1_wait_s": stage1_wait_s,
-                    "max_memory_gib": max_memory_gib(rt), **val_row, **compile_row,
+                    "max_memory_gib": max_memory_gib(rt), **val_row, **compile_row, **moe_metrics,
                 })
             progress.update(step, losses[-1], tokens_per_s, step_mfu)
             stop = watcher.should_stop()  # collective over the world: all ranks agree

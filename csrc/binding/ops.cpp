@@ -212,6 +212,78 @@ at::Tensor swiglu_backward(const at::Tensor& dy_in, const at::Tensor& x_in) {
   return dx;
 }
 
+// ---------------------------------------------------------------- mixture of experts: permute, unpermute
+
+// pos: (tokens, k) int64 on x's device, each kept entry naming one row of the permuted tensor.
+void check_pos(const at::Tensor& pos, const at::Tensor& x, int64_t tokens, const char* op) {
+  TORCH_CHECK(pos.dim() == 2 && pos.size(0) == tokens && pos.scalar_type() == at::kLong && pos.is_contiguous() &&
+                  pos.device() == x.device(),
+              "mshpc::", op, ": pos must be a contiguous int64 (tokens, k) tensor on the rows' device");
+}
+
+// x (tokens, cols) -> xp (rows, cols): xp[pos[t, j]] = x[t].
+at::Tensor moe_permute(const at::Tensor& x_in, const at::Tensor& pos, int64_t rows) {
+  TORCH_CHECK(x_in.dim() == 2, "mshpc::moe_permute: x must be (tokens, cols)");
+  at::Tensor x = x_in.contiguous();
+  check_pos(pos, x, x.size(0), "moe_permute");
+  at::Tensor xp = at::empty({rows, x.size(1)}, x.options());
+  OnDevice on(x);
+  check(MSHPC_PICK(x, mshpc_moe_permute_fwd)(x.data_ptr(), pos.data_ptr<int64_t>(), xp.data_ptr(),
+                                             dtype_code(x.scalar_type(), "moe_permute"), x.size(0), pos.size(1),
+                                             x.size(1), on.stream),
+        "moe_permute");
+  return xp;
+}
+
+// dxp (rows, cols) -> dx (tokens, cols): dx[t] = sum_j dxp[pos[t, j]].
+at::Tensor moe_permute_backward(const at::Tensor& dxp_in, const at::Tensor& pos) {
+  TORCH_CHECK(dxp_in.dim() == 2, "mshpc::moe_permute_backward: dxp must be (rows, cols)");
+  at::Tensor dxp = dxp_in.contiguous();
+  check_pos(pos, dxp, pos.size(0), "moe_permute_backward");
+  at::Tensor dx = at::empty({pos.size(0), dxp.size(1)}, dxp.options());
+  OnDevice on(dxp);
+  check(MSHPC_PICK(dxp, mshpc_moe_permute_bwd)(dxp.data_ptr(), pos.data_ptr<int64_t>(), dx.data_ptr(),
+                                               dtype_code(dxp.scalar_type(), "moe_permute_backward"), pos.size(0),
+                                               pos.size(1), dxp.size(1), on.stream),
+        "moe_permute_backward");
+  return dx;
+}
+
+// y (rows, cols), w (tokens, k) -> out (tokens, cols): out[t] = sum_j w[t, j] * y[pos[t, j]].
+at::Tensor moe_unpermute(const at::Tensor& y_in, const at::Tensor& pos, const at::Tensor& w_in) {
+  TORCH_CHECK(y_in.dim() == 2, "mshpc::moe_unpermute: y must be (rows, cols)");
+  at::Tensor y = y_in.contiguous();
+  check_pos(pos, y, pos.size(0), "moe_unpermute");
+  TORCH_CHECK(w_in.sizes() == pos.sizes(), "mshpc::moe_unpermute: w must be (tokens, k) like pos");
+  at::Tensor w = as(w_in, acc_type(y.scalar_type()));
+  at::Tensor out = at::empty({pos.size(0), y.size(1)}, y.options());
+  OnDevice on(y);
+  check(MSHPC_PICK(y, mshpc_moe_unpermute_fwd)(y.data_ptr(), pos.data_ptr<int64_t>(), w.data_ptr(), out.data_ptr(),
+                                               dtype_code(y.scalar_type(), "moe_unpermute"), pos.size(0),
+                                               pos.size(1), y.size(1), on.stream),
+        "moe_unpermute");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_unpermute_backward(const at::Tensor& dout_in, const at::Tensor& y_in,
+                                                          const at::Tensor& pos, const at::Tensor& w_in) {
+  at::Tensor y = y_in.contiguous();
+  at::Tensor dout = as(dout_in, y.scalar_type());
+  check_pos(pos, y, dout.size(0), "moe_unpermute_backward");
+  TORCH_CHECK(dout.dim() == 2 && dout.size(1) == y.size(1), "mshpc::moe_unpermute_backward: dout must be (tokens, cols)");
+  const at::ScalarType acc = acc_type(y.scalar_type());
+  at::Tensor w = as(w_in, acc);
+  at::Tensor dy = at::empty_like(y);
+  at::Tensor dw = at::empty(pos.sizes(), y.options().dtype(acc));
+  OnDevice on(y);
+  check(MSHPC_PICK(y, mshpc_moe_unpermute_bwd)(dout.data_ptr(), y.data_ptr(), pos.data_ptr<int64_t>(), w.data_ptr(),
+                                               dy.data_ptr(), dw.data_ptr(),
+                                               dtype_code(y.scalar_type(), "moe_unpermute_backward"), pos.size(0),
+                                               pos.size(1), y.size(1), on.stream),
+        "moe_unpermute_backward");
+  return {dy, dw};
+}
+
 // ---------------------------------------------------------------- rotary embedding
 
 at::Tensor rope(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin, bool inverse) {
@@ -336,6 +408,10 @@ TORCH_LIBRARY(mshpc, m) {
   m.def("swiglu(Tensor x) -> Tensor");
   m.def("swiglu_backward(Tensor dy, Tensor x) -> Tensor");
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool inverse) -> Tensor");
+  m.def("moe_permute(Tensor x, Tensor pos, SymInt rows) -> Tensor");
+  m.def("moe_permute_backward(Tensor dxp, Tensor pos) -> Tensor");
+  m.def("moe_unpermute(Tensor y, Tensor pos, Tensor w) -> Tensor");
+  m.def("moe_unpermute_backward(Tensor dout, Tensor y, Tensor pos, Tensor w) -> (Tensor dy, Tensor dw)");
   m.def("multi_tensor_adamw(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, float[] lrs, float[] weight_decays, float beta1, float beta2, float eps, "
         "int step) -> ()");
@@ -354,6 +430,10 @@ TORCH_LIBRARY(mshpc, m) {
     m.impl("swiglu", &swiglu);                                              \
     m.impl("swiglu_backward", &swiglu_backward);                            \
     m.impl("rope", &rope);                                                  \
+    m.impl("moe_permute", &moe_permute);                                    \
+    m.impl("moe_permute_backward", &moe_permute_backward);                  \
+    m.impl("moe_unpermute", &moe_unpermute);                                \
+    m.impl("moe_unpermute_backward", &moe_unpermute_backward);              \
     m.impl("multi_tensor_adamw", &multi_tensor_adamw);                      \
     m.impl("multi_tensor_lamb_direction", &multi_tensor_lamb_direction);    \
     m.impl("multi_tensor_lamb_apply", &multi_tensor_lamb_apply);            \

@@ -3,12 +3,18 @@
 Names: `model/<param>` (the dp-replicated weights, each whole in one dp rank's shard, spread
 over the dp ranks by bytes; under tensor parallelism a tp shard is `model/<param>@tp<r>`, a
 tp-replicated weight comes from tp rank 0),
-`rng/cpu/rank-<r>` and `rng/cuda/rank-<r>` (each rank's generator). The engine adds
+`rng/cpu/rank-<r>` and `rng/cuda/rank-<r>` (each rank's generator), `buffer/<name>` (state that
+is no parameter yet trains: a sigmoid-bias router's expert biases, the same on every rank, saved
+by the first dp and tp rank of each stage). Experts under expert parallelism are `model/<param>`
+slices of the whole tensor, each expert at its global index, saved by one rank of each
+expert-data-parallel group. The engine adds
 `master/<param>`, `optim.<key>/<param>` (flat shards) and `optim.step`. JSON-only state
 (step, scheduler, data position) travels in the manifest's extras.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -28,17 +34,40 @@ def spread(sizes: list[int], ranks: int) -> list[int]:
     return owners
 
 
-def model_slices(model: nn.Module, mp: ModelParallel = DP_ONLY, dp_rank: int = 0,
-                 dp: int = 1) -> dict[str, TensorSlice]:
+def model_slices(model: nn.Module, mp: ModelParallel = DP_ONLY, dp_rank: int = 0, dp: int = 1,
+                 placement: Mapping[str, tuple[tuple[int, ...], int]] | None = None,
+                 ep: int = 1) -> dict[str, TensorSlice]:
     """This dp rank's share of the weights, named as `mp` names them (a tp-replicated one from tp
     rank 0 only). Each weight is whole in one dp rank's shard, so it opens in plain h5py, and the
     dp ranks share the copying and writing. Had one rank saved them all, its stage 1 would set
     the save's blocking time: 1 + dp/3 times another rank's with fp32 weights (each rank copies
-    12 bytes of masters and moments per weight / dp), 1 + dp/6 with bf16 weights."""
+    12 bytes of masters and moments per weight / dp), 1 + dp/6 with bf16 weights. A weight in
+    `placement` (an ep rank's experts: the whole tensor's shape, the local part's flat offset)
+    is this rank's slice of it, shared out among the dp / `ep` ranks that hold the same slice."""
+    placement = placement or {}
     named = [(n, p) for n, p in model.named_parameters() if mp.tp_rank == 0 or n not in mp.replicated]
-    owners = spread([p.numel() * p.element_size() for _, p in named], dp)
-    return {f"model/{mp.checkpoint_key(n)}": TensorSlice.whole(p.detach())
-            for (n, p), owner in zip(named, owners, strict=True) if owner == dp_rank}
+    out = {}
+    for mine, rank, ranks in ((False, dp_rank, dp), (True, dp_rank // ep, dp // ep)):
+        kind = [(n, p) for n, p in named if (n in placement) == mine]
+        owners = spread([p.numel() * p.element_size() for _, p in kind], ranks)
+        for (n, p), owner in zip(kind, owners, strict=True):
+            if owner == rank:
+                shape, offset = placement.get(n, (tuple(p.shape), 0))
+                out[f"model/{mp.checkpoint_key(n)}"] = TensorSlice(p.detach(), shape, offset)
+    return out
+
+
+def buffer_slices(model: nn.Module, first: bool) -> dict[str, TensorSlice]:
+    """The model's persistent buffers (`buffer/<name>`), from the `first` rank of a stage only:
+    every dp and tp rank holds the same values."""
+    return {f"buffer/{n}": TensorSlice.whole(b.detach()) for n, b in persistent_buffers(model).items()} if first else {}
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that belong in a checkpoint: those in the state dict (a router's biases), not
+    the derived ones (rotary tables, statistics)."""
+    state = model.state_dict(keep_vars=True)
+    return {n: b for n, b in model.named_buffers() if n in state}
 
 
 def rng_slices(rank: int) -> dict[str, TensorSlice]:

@@ -19,13 +19,22 @@ from mshpc.checkpoint.reader import CheckpointReader, Request
 from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra
 from mshpc.checkpoint.restore import candidates, resume_from
 from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
-from mshpc.checkpoint.state import apply_rng, model_slices, rng_names, rng_slices, stage_rng
+from mshpc.checkpoint.state import (
+    apply_rng,
+    buffer_slices,
+    model_slices,
+    persistent_buffers,
+    rng_names,
+    rng_slices,
+    stage_rng,
+)
 from mshpc.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig, global_batch
 from mshpc.errors import CheckpointError
 from mshpc.events import append_event
 from mshpc.mesh_shape import Coords, MeshShape
 from mshpc.parallel import comm
 from mshpc.parallel.apply import tp_splits
+from mshpc.parallel.expert_parallel import expert_placement
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.parallel.zero import ZeroEngine
 from mshpc.save_schedule import SaveSchedule
@@ -99,7 +108,10 @@ class TrainCheckpointer:
         # The dp-replicated weights (each tp rank its own shards), for inference and inspection,
         # spread over the dp ranks; resume rebuilds the weights from the fp32 masters and only
         # checks this copy (model_copy.py).
-        slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, self.parallel.dp))
+        p = self.parallel
+        slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, p.dp,
+                                   expert_placement(self.engine.model), p.ep))
+        slices.update(buffer_slices(self.engine.model, self.engine.rank == 0 and self.engine.mp.tp_rank == 0))
         blocking = self.saver.save(step, slices, self._extras(step))
         if self.async_save:  # stage 1 overlaps the next forward and backward
             self.engine.before_next_update(self._release)
@@ -201,6 +213,7 @@ class TrainCheckpointer:
             for prefix in ("master", *(f"optim.{k}" for k in STATE_KEYS)):
                 out += relayout.requests(reader, (f"{prefix}/{piece.key}", piece.start, piece.tensor.numel()))
         out.append(("optim.step", 0, 1))
+        out += [reader.whole(f"buffer/{n}") for n in persistent_buffers(self.engine.model)]
         out += [reader.whole(n) for n in rng_names(reader, self.rank, same_world)]
         reader.entries_for(out)  # an unknown name fails here, before any collective
         return out
@@ -220,12 +233,16 @@ class TrainCheckpointer:
             error = str(exc)
         load_for_group(reader, requests, self.dp_group, error)
         rng = stage_rng(reader, rng_names(reader, self.rank, same_world))
+        buffers = {n: reader.read_whole(f"buffer/{n}") for n in persistent_buffers(self.engine.model)}
         self._restored = {"bytes_read": reader.stats.bytes_read, "entries_read": len(reader.stats.entries),
                           "bytes_received": reader.bytes_received}
 
         def install() -> None:
             self.engine.load_state_slices(relayout.reader(reader))  # collective over dp: re-gathers weights
             apply_rng(rng)
+            with torch.no_grad():
+                for name, b in persistent_buffers(self.engine.model).items():
+                    b.copy_(buffers[name])
             self.scheduler.load_state_dict(extras["scheduler"])
             for group, lr in zip(self.optimizer.param_groups, extras["group_lrs"], strict=True):
                 group["lr"] = lr

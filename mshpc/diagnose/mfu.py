@@ -44,18 +44,40 @@ def block_matrix_params(m: ModelConfig) -> int:
     (d x n_kv_head * head_dim each: grouped-query attention, Ainslie et al. 2023), and the MLP's
     2 (GeLU) or 3 (SwiGLU: gate, up, down; Shazeer 2020) matrices of d x ffn_width."""
     h = m.d_model
-    kv_width = m.kv_heads * (h // m.n_head)
+    q_width, kv_width = m.n_head * m.head_size, m.kv_heads * m.head_size  # h each, unless head_dim widens them
     mlp_matrices = 3 if m.mlp == "swiglu" else 2
-    return 2 * h * h + 2 * h * kv_width + mlp_matrices * h * m.ffn_width
+    return 2 * h * q_width + 2 * h * kv_width + mlp_matrices * h * m.ffn_width
+
+
+def moe_matrix_params(m: ModelConfig, active: bool) -> int:
+    """Weights of a mixture-of-experts layer's matrices in place of the MLP: the routed experts
+    (3 of d x expert_ffn each, SwiGLU), all E of them or, `active`, the top_k a token passes
+    through; the shared experts' 3 of d x shared_ffn and their gate (d x 1); the router (d x E)."""
+    assert m.moe is not None
+    h, moe = m.d_model, m.moe
+    experts = moe.top_k if active else moe.n_experts
+    gate = h if moe.shared_expert_gate else 0
+    return experts * 3 * h * m.expert_ffn + 3 * h * m.shared_ffn + gate + moe.n_experts * h
+
+
+def layer_matrix_params(m: ModelConfig, i: int, active: bool = False) -> int:
+    """Weights of layer `i`'s matrices (block_matrix_params, or a mixture of experts' in place
+    of its MLP: all of them, or those one token meets when `active`)."""
+    if not m.is_moe_layer(i):
+        return block_matrix_params(m)
+    dense_mlp = (3 if m.mlp == "swiglu" else 2) * m.d_model * m.ffn_width
+    return block_matrix_params(m) - dense_mlp + moe_matrix_params(m, active)
 
 
 def flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs (forward + backward) per token; Narayanan et al. 2021 Eq. in Sec. 5.1."""
+    """Training FLOPs (forward + backward) per token; Narayanan et al. 2021 Eq. in Sec. 5.1. In
+    a mixture of experts a token meets only its top_k experts (and the shared ones, and the
+    router): only those count (Megatron-Core's num_floating_point_operations does the same)."""
     h, s = m.d_model, attention_context(m)
-    gemm = 2 * block_matrix_params(m)
-    attention = 4 * s * h
+    gemm = 2 * sum(layer_matrix_params(m, i, active=True) for i in range(m.n_layer))
+    attention = 4 * s * m.n_head * m.head_size * m.n_layer  # 4 s h, with h the heads' total width
     logits = 2 * h * m.vocab_size
-    return 3.0 * (m.n_layer * (gemm + attention) + logits)
+    return 3.0 * (gemm + attention + logits)
 
 
 def peak_tflops(device_name: str, dtype: str) -> float | None:

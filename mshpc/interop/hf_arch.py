@@ -13,10 +13,11 @@ from typing import Any
 
 from mshpc.config import ModelConfig
 from mshpc.errors import InteropError
+from mshpc.interop.hf_moe import MOE_ARCHITECTURES, moe_architecture, moe_hf_config, moe_model_fields
 
 LLAMA = "LlamaForCausalLM"
 NEOX = "GPTNeoXForCausalLM"
-ARCHITECTURES = (LLAMA, NEOX)
+ARCHITECTURES = (LLAMA, NEOX, *MOE_ARCHITECTURES)
 
 # (model.norm, model.mlp, model.parallel_block) -> the architecture that computes exactly that
 SUPPORTED = {
@@ -35,7 +36,13 @@ def _describe(key: tuple[str, str, bool]) -> str:
 
 def hf_architecture(m: ModelConfig) -> str:
     """The architecture that computes model `m` exactly, or an InteropError naming the nearest
-    supported combinations (fewest of norm, mlp, block that differ) and what else stands in the way."""
+    supported combinations (fewest of norm, mlp, block that differ) and what else stands in the way.
+    A mixture of experts: hf_moe.moe_architecture."""
+    if m.moe is not None:
+        return moe_architecture(m)
+    if m.qk_norm:
+        raise InteropError(f"model.qk_norm=true: mshpc exports {LLAMA} and {NEOX} dense models, neither with a "
+                           "q/k norm (choose qk_norm false)")
     key = (m.norm, m.mlp, m.parallel_block)
     if key not in SUPPORTED:
         def distance(k: tuple[str, str, bool]) -> int:
@@ -63,7 +70,7 @@ def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
     transformers 5 reads them (`rope_parameters`) and as 4.x did (`rope_theta`, `rotary_pct`,
     `rotary_emb_base`), so either loads the same model."""
     arch = hf_architecture(m)
-    head_dim = m.d_model // m.n_head
+    head_dim = m.head_size
     common = {
         "architectures": [arch], "vocab_size": m.vocab_size, "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layer, "num_attention_heads": m.n_head,
@@ -72,6 +79,8 @@ def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
         "torch_dtype": dtype, "dtype": dtype, "use_cache": True,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
     }
+    if arch in MOE_ARCHITECTURES:
+        return moe_hf_config(arch, m, common)
     if arch == LLAMA:
         return {**common, "model_type": "llama", "num_key_value_heads": m.kv_heads, "head_dim": head_dim,
                 "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "attention_bias": False, "mlp_bias": False,
@@ -123,16 +132,20 @@ def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False) -> Mode
     if fraction != 1.0:
         raise InteropError(f"{where}: rotary on {fraction:g} of each head is not implemented in mshpc "
                            "(it rotates every head dim: rotary_pct 1.0)")
-    if hf.get("head_dim", d // n_head) != d // n_head:
+    head_dim = hf.get("head_dim") or d // n_head
+    if arch == NEOX and head_dim != d // n_head:
         raise InteropError(f"{where}: head_dim={hf['head_dim']} is not hidden_size/num_attention_heads="
-                           f"{d // n_head}, which mshpc needs")
+                           f"{d // n_head}, which mshpc needs for {NEOX}")
     fields: dict[str, Any] = dict(
         vocab_size=int(_number(hf, where, "vocab_size")), seq_len=int(_number(hf, where, "max_position_embeddings")),
         n_layer=int(_number(hf, where, "num_hidden_layers")), n_head=n_head, d_model=d,
         ffn_dim=int(_number(hf, where, "intermediate_size")),
+        head_dim=None if head_dim * n_head == d else int(head_dim),
         rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(_number(hf, where, "initializer_range", 0.02)))
-    if arch == LLAMA:
+    if arch in MOE_ARCHITECTURES:
+        fields.update(moe_model_fields(arch, hf, where, fields["n_layer"]))
+    if arch == LLAMA or arch in MOE_ARCHITECTURES:
         _require(hf, where, "hidden_act", ("silu",), "'silu'", default="silu")
         _require(hf, where, "attention_bias", (False, None), "attention_bias false")
         _require(hf, where, "mlp_bias", (False, None), "mlp_bias false")

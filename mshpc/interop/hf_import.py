@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 # What must agree between train.init_from's config.json and the config's model (seq_len, dropout,
 # init and kernels may differ: they change no weight and no function of the weights).
 SAME = ("vocab_size", "n_layer", "n_head", "d_model", "ffn_width", "kv_heads", "norm", "mlp",
-        "parallel_block", "tie_embeddings", "norm_eps", "rope_theta")
+        "parallel_block", "tie_embeddings", "norm_eps", "rope_theta", "head_size", "qk_norm")
+# and of a mixture of experts, what shapes its weights and how they compute (not its training knobs)
+SAME_MOE = ("n_experts", "top_k", "expert_ffn_dim", "n_shared_experts", "shared_expert_gate", "router",
+            "norm_topk_prob", "first_dense_layers", "every")
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
@@ -59,7 +62,7 @@ def import_config(hf_dir: Path, out: Path) -> Config:
     """Write to `out` a config whose model is `hf_dir`'s and whose training starts from its
     weights (train.init_from), every other key at its default; return it."""
     m = hf_model_config(hf_dir)
-    cfg = from_dict({"model": {f.name: getattr(m, f.name) for f in dataclasses.fields(m)},
+    cfg = from_dict({"model": dataclasses.asdict(m),  # the moe section as a nested mapping too
                      "train": {"init_from": str(hf_dir.resolve())}})
     header = (f"# Imported by `mshpc import` from {hf_dir.resolve()}: the model is its config.json's,\n"
               "# the initial weights its safetensors (train.init_from); everything else is a default.\n")
@@ -68,10 +71,16 @@ def import_config(hf_dir: Path, out: Path) -> Config:
 
 
 def check_same_model(m: ModelConfig, hf_m: ModelConfig, hf_dir: Path) -> None:
-    for key in SAME:
-        if getattr(m, key) != getattr(hf_m, key):
-            raise InteropError(f"train.init_from={hf_dir}: its config.json gives {key}={getattr(hf_m, key)!r} "
-                               f"but the config has model.{key}={getattr(m, key)!r} (`mshpc import` writes a matching one)")
+    pairs = [(f"model.{key}", getattr(m, key), getattr(hf_m, key)) for key in SAME]
+    pairs.append(("model.moe", m.moe is None, hf_m.moe is None))
+    if m.moe is not None and hf_m.moe is not None:
+        expert = dataclasses.replace(m.moe, expert_ffn_dim=m.expert_ffn)
+        pairs += [(f"model.moe.{key}", getattr(expert, key), getattr(hf_m.moe, key)) for key in SAME_MOE]
+    for key, mine, theirs in pairs:
+        if mine != theirs:
+            what = "null" if key == "model.moe" and mine else repr(mine)
+            raise InteropError(f"train.init_from={hf_dir}: its config.json gives {key.removeprefix('model.')}="
+                               f"{theirs!r} but the config has {key}={what} (`mshpc import` writes a matching one)")
 
 
 def load_hf_weights(model: nn.Module, m: ModelConfig, hf_dir: Path) -> None:

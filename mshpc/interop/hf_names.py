@@ -17,13 +17,14 @@ import torch
 from mshpc.config import ModelConfig
 from mshpc.errors import InteropError
 from mshpc.interop.hf_arch import LLAMA
+from mshpc.interop.hf_moe import MOE_ARCHITECTURES, moe_layer_from_hf, moe_layer_to_hf
 
 Weights = dict[str, torch.Tensor]
 NEOX_HEADS = ("embed_out.weight", "lm_head.weight")  # transformers 4.x's name, and 5.x's
 
 
 def _qkv_sizes(m: ModelConfig) -> list[int]:
-    hd = m.d_model // m.n_head
+    hd = m.head_size
     return [m.n_head * hd, m.kv_heads * hd, m.kv_heads * hd]
 
 
@@ -66,20 +67,36 @@ def _neox_layer(w: Weights, m: ModelConfig, i: int) -> Weights:
     }
 
 
-def _llama_layer(w: Weights, m: ModelConfig, i: int) -> Weights:
+def _llama_attention(w: Weights, m: ModelConfig, i: int) -> Weights:
+    """Layer i's norms and attention under Llama's names (Qwen3's q and k norms too)."""
     p, h = f"layers.{i}.", f"model.layers.{i}."
     q, k, v = (t.clone() for t in w[p + "attn.qkv.weight"].split(_qkv_sizes(m)))
-    gate, up = (t.clone() for t in w[p + "mlp.fc.weight"].chunk(2))
-    return {
+    out = {
         h + "input_layernorm.weight": w[p + "ln_1.weight"], h + "post_attention_layernorm.weight": w[p + "ln_2.weight"],
         h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v,
         h + "self_attn.o_proj.weight": w[p + "attn.proj.weight"],
+    }
+    if m.qk_norm:
+        out.update({h + "self_attn.q_norm.weight": w[p + "attn.q_norm"], h + "self_attn.k_norm.weight": w[p + "attn.k_norm"]})
+    return out
+
+
+def _llama_layer(w: Weights, m: ModelConfig, i: int) -> Weights:
+    p, h = f"layers.{i}.", f"model.layers.{i}."
+    gate, up = (t.clone() for t in w[p + "mlp.fc.weight"].chunk(2))
+    return {
+        **_llama_attention(w, m, i),
         h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up, h + "mlp.down_proj.weight": w[p + "mlp.proj.weight"],
     }
 
 
 def to_hf(arch: str, m: ModelConfig, w: Weights) -> Weights:
     """mshpc's whole weights `w` (GPT's parameter names) under `arch`'s names and layouts."""
+    if arch in MOE_ARCHITECTURES:
+        out = _outer(w, m, "model.embed_tokens.weight", "model.norm", "lm_head.weight")
+        for i in range(m.n_layer):
+            out.update({**_llama_attention(w, m, i), **moe_layer_to_hf(arch, w, m, i)})
+        return out
     if arch == LLAMA:
         out = _outer(w, m, "model.embed_tokens.weight", "model.norm", "lm_head.weight")
         layer = _llama_layer
@@ -124,13 +141,26 @@ class HfTensors:
                                f"e.g. {left[0]!r}")
 
 
-def _llama_weights(src: HfTensors, m: ModelConfig, i: int) -> Weights:
+def _llama_attention_weights(src: HfTensors, m: ModelConfig, i: int) -> Weights:
     h, p = f"model.layers.{i}.", f"layers.{i}."
-    return {
+    for x in "qkvo":  # Qwen2-MoE's q/k/v biases (qkv_bias) carry nothing only when zero
+        src.zero(h + f"self_attn.{x}_proj.bias", "mshpc's attention has no biases")
+    out = {
         p + "ln_1.weight": src.take(h + "input_layernorm.weight"),
         p + "ln_2.weight": src.take(h + "post_attention_layernorm.weight"),
         p + "attn.qkv.weight": torch.cat([src.take(h + f"self_attn.{x}_proj.weight") for x in "qkv"]),
         p + "attn.proj.weight": src.take(h + "self_attn.o_proj.weight"),
+    }
+    if m.qk_norm:
+        out.update({p + "attn.q_norm": src.take(h + "self_attn.q_norm.weight"),
+                    p + "attn.k_norm": src.take(h + "self_attn.k_norm.weight")})
+    return out
+
+
+def _llama_weights(src: HfTensors, m: ModelConfig, i: int) -> Weights:
+    h, p = f"model.layers.{i}.", f"layers.{i}."
+    return {
+        **_llama_attention_weights(src, m, i),
         p + "mlp.fc.weight": torch.cat([src.take(h + f"mlp.{x}_proj.weight") for x in ("gate", "up")]),
         p + "mlp.proj.weight": src.take(h + "mlp.down_proj.weight"),
     }
@@ -163,7 +193,7 @@ def _neox_weights(src: HfTensors, m: ModelConfig, i: int) -> Weights:
 def from_hf(arch: str, m: ModelConfig, src: HfTensors) -> Weights:
     """`to_hf`'s inverse: the whole mshpc weights of model `m` from a checkpoint of `arch`;
     an InteropError for a missing tensor, one with no place in mshpc, or a nonzero bias mshpc lacks."""
-    llama = arch == LLAMA
+    llama = arch == LLAMA or arch in MOE_ARCHITECTURES
     embed, norm = ("model.embed_tokens", "model.norm") if llama else ("gpt_neox.embed_in", "gpt_neox.final_layer_norm")
     out = {"tok_embeddings.weight": src.take(embed + ".weight"), "norm.weight": src.take(norm + ".weight")}
     if not llama:
@@ -174,6 +204,9 @@ def from_hf(arch: str, m: ModelConfig, src: HfTensors) -> Weights:
     else:
         src.taken.update(heads)  # a tied checkpoint may still carry its copy of the embedding
     for i in range(m.n_layer):
-        out.update((_llama_weights if llama else _neox_weights)(src, m, i))
+        if arch in MOE_ARCHITECTURES:
+            out.update({**_llama_attention_weights(src, m, i), **moe_layer_from_hf(arch, src, m, i)})
+        else:
+            out.update((_llama_weights if llama else _neox_weights)(src, m, i))
     src.check_all_taken()
     return out

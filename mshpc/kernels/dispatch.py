@@ -30,11 +30,14 @@ class Kernels:
     bias_gelu: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
     swiglu: Callable[[torch.Tensor], torch.Tensor]
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    moe_permute: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    moe_unpermute: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 REFERENCE = Kernels(False, reference.add_rms_norm, reference.add_layer_norm, reference.bias_gelu, reference.swiglu,
-                    reference.rope)
-FUSED = Kernels(True, ops.add_rms_norm, ops.add_layer_norm, ops.bias_gelu, ops.swiglu, ops.rope)
+                    reference.rope, reference.moe_permute, reference.moe_unpermute)
+FUSED = Kernels(True, ops.add_rms_norm, ops.add_layer_norm, ops.bias_gelu, ops.swiglu, ops.rope, ops.moe_permute,
+                ops.moe_unpermute)
 
 
 @functools.cache

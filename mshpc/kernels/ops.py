@@ -52,6 +52,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return mshpc_ops.rope(x, cos, sin, False)
 
 
+def moe_permute(x: torch.Tensor, pos: torch.Tensor, rows: int) -> torch.Tensor:
+    """Fused mshpc.kernels.reference.moe_permute."""
+    return mshpc_ops.moe_permute(x, pos, rows)
+
+
+def moe_unpermute(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Fused mshpc.kernels.reference.moe_unpermute."""
+    return mshpc_ops.moe_unpermute(y, pos, w)
+
+
 # ---------------------------------------------------------------- autograd
 
 
@@ -106,6 +116,26 @@ def _rope_backward(ctx: Any, dy: torch.Tensor) -> tuple:
     return mshpc_ops.rope(dy.to(ctx.x_dtype), cos, sin, not ctx.inverse), None, None, None
 
 
+def _moe_permute_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _moe_permute_backward(ctx: Any, dxp: torch.Tensor) -> tuple:
+    (pos,) = ctx.saved_tensors
+    return mshpc_ops.moe_permute_backward(dxp, pos), None, None
+
+
+def _moe_unpermute_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    y, pos, w = inputs
+    ctx.save_for_backward(y, pos, w)
+
+
+def _moe_unpermute_backward(ctx: Any, dout: torch.Tensor) -> tuple:
+    y, pos, w = ctx.saved_tensors
+    dy, dw = mshpc_ops.moe_unpermute_backward(dout, y, pos, w)
+    return dy, None, dw.to(w.dtype)
+
+
 # ---------------------------------------------------------------- fake (meta) implementations
 
 
@@ -145,6 +175,22 @@ def _rope_fake(x, cos, sin, inverse):
     return x.new_empty(x.shape)
 
 
+def _moe_permute_fake(x, pos, rows):
+    return x.new_empty((rows, x.shape[1]))
+
+
+def _moe_permute_backward_fake(dxp, pos):
+    return dxp.new_empty((pos.shape[0], dxp.shape[1]))
+
+
+def _moe_unpermute_fake(y, pos, w):
+    return y.new_empty((pos.shape[0], y.shape[1]))
+
+
+def _moe_unpermute_backward_fake(dout, y, pos, w):
+    return torch.empty_like(y, memory_format=torch.contiguous_format), pos.new_empty(pos.shape, dtype=compute_dtype(y.dtype))
+
+
 def _lamb_direction_fake(params, grads, exp_avgs, exp_avg_sqs, weight_decays, beta1, beta2, eps, step):
     return torch.empty((len(params), 2), dtype=torch.float32,
                        device=params[0].device if params else "cpu")
@@ -161,6 +207,10 @@ def register() -> None:
     lib.register_fake("mshpc::swiglu")(_swiglu_fake)
     lib.register_fake("mshpc::swiglu_backward")(_swiglu_backward_fake)
     lib.register_fake("mshpc::rope")(_rope_fake)
+    lib.register_fake("mshpc::moe_permute")(_moe_permute_fake)
+    lib.register_fake("mshpc::moe_permute_backward")(_moe_permute_backward_fake)
+    lib.register_fake("mshpc::moe_unpermute")(_moe_unpermute_fake)
+    lib.register_fake("mshpc::moe_unpermute_backward")(_moe_unpermute_backward_fake)
     lib.register_fake("mshpc::multi_tensor_adamw")(lambda *args: None)
     lib.register_fake("mshpc::multi_tensor_lamb_direction")(_lamb_direction_fake)
     lib.register_fake("mshpc::multi_tensor_lamb_apply")(lambda *args: None)
@@ -168,3 +218,5 @@ def register() -> None:
     lib.register_autograd("mshpc::bias_gelu", _bias_gelu_backward, setup_context=_bias_gelu_setup)
     lib.register_autograd("mshpc::swiglu", _swiglu_backward, setup_context=_swiglu_setup)
     lib.register_autograd("mshpc::rope", _rope_backward, setup_context=_rope_setup)
+    lib.register_autograd("mshpc::moe_permute", _moe_permute_backward, setup_context=_moe_permute_setup)
+    lib.register_autograd("mshpc::moe_unpermute", _moe_unpermute_backward, setup_context=_moe_unpermute_setup)

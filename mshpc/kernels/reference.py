@@ -60,3 +60,29 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos[:s, None, :], sin[:s, None, :]  # (s, 1, hd/2): broadcast over heads
     x1, x2 = x.to(compute_dtype(x.dtype)).chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+def _padded_rows(pos: torch.Tensor, rows: int) -> torch.Tensor:
+    """pos (tokens, k) with each dropped entry (-1) pointing at an extra row `rows`, flattened."""
+    return torch.where(pos < 0, rows, pos).flatten()
+
+
+def moe_permute(x: torch.Tensor, pos: torch.Tensor, rows: int) -> torch.Tensor:
+    """Tokens x (tokens, d) into expert order: row pos[t, j] of the (rows, d) result is x[t], for
+    every j the capacity kept (pos >= 0); the kept entries name each row once."""
+    k = pos.shape[1]
+    kept = pos.flatten() >= 0
+    tokens = torch.arange(pos.shape[0], device=pos.device).repeat_interleave(k)[kept]
+    source = torch.empty(rows, dtype=torch.long, device=pos.device)
+    source[pos.flatten()[kept]] = tokens  # the token each permuted row comes from
+    return x.index_select(0, source)
+
+
+def moe_unpermute(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Expert outputs y (rows, d) back to tokens: out[t] = sum_j w[t, j] * y[pos[t, j]] over the
+    kept j (w: the router's weights, (tokens, k)), summed in the compute dtype, in y's dtype."""
+    rows, d = y.shape
+    acc = compute_dtype(y.dtype)
+    padded = torch.cat([y.to(acc), y.new_zeros(1, d, dtype=acc)])  # a dropped entry reads zeros
+    picked = padded.index_select(0, _padded_rows(pos, rows)).view(*pos.shape, d)  # (tokens, k, d)
+    return (picked * w.to(acc).unsqueeze(-1)).sum(1).to(y.dtype)

@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mshpc.errors import ConfigError, RunEnvironmentError
 from mshpc.loggers.sinks import describe
 
@@ -48,6 +50,9 @@ class TensorBoardLogger:
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) \
                     and math.isfinite(value):
                 self.writer.add_scalar(tag(key), value, step)
+            elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+                # a list of numbers (a MoE layer's tokens per expert): their spread, as a histogram
+                self.writer.add_histogram(tag(key), torch.tensor(value, dtype=torch.float64), step)
 
     def event(self, record: dict[str, Any], step: int) -> None:
         self.writer.add_text("events", describe(record), step)

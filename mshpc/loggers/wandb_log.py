@@ -70,8 +70,11 @@ class WandbLogger:
         log.info("wandb: %s run %s in %s", self.run.settings.mode, run_id, run_dir / "wandb")
 
     def write(self, row: dict[str, Any]) -> None:
-        numbers = {tag(k): v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+        numbers: dict[str, Any] = {tag(k): v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
                    and not isinstance(v, bool) and math.isfinite(v)}
+        # a list of numbers (a MoE layer's tokens per expert): a histogram of their spread
+        numbers.update({tag(k): self.wandb.Histogram(v) for k, v in row.items() if isinstance(v, list) and v
+                        and all(isinstance(x, (int, float)) for x in v)})
         self.run.log(numbers, step=row["step"])
 
     def event(self, record: dict[str, Any], step: int) -> None:

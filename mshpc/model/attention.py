@@ -118,7 +118,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.kernels = select_kernels(cfg.fused_kernels)
-        self.head_dim = cfg.d_model // cfg.n_head
+        self.head_dim = cfg.head_size
         # the heads this module's qkv holds: tensor parallelism sets its rank's counts
         self.n_head, self.n_kv_head = cfg.n_head, cfg.kv_heads
         # No window is a window as wide as the longest input.
@@ -127,7 +127,11 @@ class CausalSelfAttention(nn.Module):
         # Rows are [q; k; v] (n_head, n_kv_head, n_kv_head heads) with heads contiguous, so a
         # tensor-parallel shard of each part keeps the layout that forward reads.
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * self.head_dim, bias=False)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
+        # Qwen3's per-head RMSNorm of q and k (weights over head_dim, shared by the heads)
+        self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if cfg.qk_norm else None
+        self.norm_eps = cfg.norm_eps
         self.resid_dropout = nn.Dropout(cfg.dropout)
         cos, sin = rope_cache(cfg.seq_len, self.head_dim, cfg.rope_theta)
         # Non-persistent: derived from the config, so checkpoints hold parameters only.
@@ -149,9 +153,15 @@ class CausalSelfAttention(nn.Module):
         qkv = qkv.view(b, s, -1, self.head_dim)  # (b, s, nh + 2 * nkv, hd)
         start = 0 if cache is None else cache.length
         cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
-        # q and k rotated in one call, as (b, s, nh + nkv, hd): a strided view of qkv, no copy
-        qk = self.kernels.rope(qkv[:, :, :self.n_head + self.n_kv_head], cos, sin)
-        q, k = qk.split((self.n_head, self.n_kv_head), dim=2)  # (b, s, nh, hd), (b, s, nkv, hd)
+        if self.q_norm is not None and self.k_norm is not None:  # each normed, then rotated
+            # (the norm's backward reads its input whole: a contiguous copy of each part)
+            q, k = (self.kernels.rope(self.kernels.add_rms_norm(part.contiguous(), None, w, self.norm_eps)[0], cos, sin)
+                    for part, w in ((qkv[:, :, :self.n_head], self.q_norm),
+                                    (qkv[:, :, self.n_head:self.n_head + self.n_kv_head], self.k_norm)))
+        else:
+            # q and k rotated in one call, as (b, s, nh + nkv, hd): a strided view of qkv, no copy
+            qk = self.kernels.rope(qkv[:, :, :self.n_head + self.n_kv_head], cos, sin)
+            q, k = qk.split((self.n_head, self.n_kv_head), dim=2)  # (b, s, nh, hd), (b, s, nkv, hd)
         # v copied out of qkv: SDPA saves v for backward, and a view would keep the whole qkv
         # output alive with it (q and k are rope's new tensor already): Korthikanti's count
         v = qkv[:, :, self.n_head + self.n_kv_head:].contiguous()

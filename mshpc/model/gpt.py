@@ -5,7 +5,9 @@ Plain PyTorch modules that know nothing of parallelism; `parallel/` applies that
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,8 @@ from mshpc.config import ModelConfig
 from mshpc.errors import ConfigError
 from mshpc.kernels.dispatch import REFERENCE, Kernels, select_kernels
 from mshpc.model.attention import CausalSelfAttention, KVCache, document_mask
+from mshpc.model.moe import GroupedExperts, MoE
+from mshpc.model.router import Router
 
 
 class RMSNorm(nn.Module):
@@ -84,17 +88,26 @@ class MLP(nn.Module):
         return self.kernels.swiglu(h) if self.gated else self.kernels.bias_gelu(h, self.fc_bias)
 
 
+def build_moe(cfg: ModelConfig) -> MoE:
+    """A mixture of experts for a layer of `cfg`, its shared experts (if any) one SwiGLU MLP."""
+    shared = None
+    if cfg.shared_ffn:
+        shared = MLP(dataclasses.replace(cfg, mlp="swiglu", ffn_dim=cfg.shared_ffn, mlp_bias=False, dropout=0.0))
+    return MoE(cfg, shared)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block. Serial: x + attn(ln_1(x)), then + mlp(ln_2(.)), the middle
     residual add fused into ln_2. Parallel (PaLM, Chowdhery et al. 2022 sec. 2; MegaScale sec.
-    3.1): x + attn(ln_1(x)) + mlp(ln_1(x)), one norm and no ln_2."""
+    3.1): x + attn(ln_1(x)) + mlp(ln_1(x)), one norm and no ln_2. In a mixture-of-experts
+    layer (`moe`: model.is_moe_layer) `mlp` is the MoE."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = build_norm(cfg)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = None if cfg.parallel_block else build_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: MLP | MoE = build_moe(cfg) if moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -128,7 +141,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.is_moe_layer(i)) for i in range(cfg.n_layer)})
         self.norm = build_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -140,18 +153,25 @@ class GPT(nn.Module):
         """Draw weights from N(0, init_std), set norms to 1 and biases to 0; residual output
         projections get std / sqrt(2 * n_layer), GPT-2's scaling (Radford et al. 2019, sec. 2.3)."""
         std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layer)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, GroupedExperts):
+                nn.init.normal_(module.fc, mean=0.0, std=std)
+                nn.init.normal_(module.proj, mean=0.0, std=residual_std)
             elif isinstance(module, (RMSNorm, LayerNorm)):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, Router):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             for name, p in module.named_parameters(recurse=False):
                 if name.endswith("bias") and p is not None:  # norm, linear and fc_bias
                     nn.init.zeros_(p)
         for layer in self.layers.values():
             assert isinstance(layer, Block)  # layers holds nothing else
-            for proj in (layer.attn.proj, layer.mlp.proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
+            mlp = layer.mlp.shared if isinstance(layer.mlp, MoE) else layer.mlp
+            for proj in (layer.attn.proj, *([] if mlp is None else [cast(MLP, mlp).proj])):
+                nn.init.normal_(proj.weight, mean=0.0, std=residual_std)
 
     def forward(self, idx: torch.Tensor, segments: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None) -> torch.Tensor:

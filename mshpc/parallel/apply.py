@@ -1,5 +1,5 @@
 """The one place a model meets the mesh: each parallelism applied to the plain GPT from outside,
-one function each, in torchtitan's order: tensor + sequence parallelism, then activation
+one function each, in torchtitan's order: tensor + sequence parallelism, expert parallelism, then activation
 checkpointing (it must wrap the tensor-parallel modules, whose collectives it then recomputes),
 then torch.compile of each block (`train.compile`: the graph holds the block as it will run),
 then ZeRO data parallelism (it must see the final, sharded parameters).
@@ -11,6 +11,7 @@ full model's names, some parts removed) goes through the same functions.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from torch.utils.checkpoint import checkpoint
 from mshpc.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
+from mshpc.model.moe import MoE, recomputing
 from mshpc.parallel.compile_blocks import apply_compile
+from mshpc.parallel.expert_parallel import TpTokenShards, apply_ep
 from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.parallel_block import fusable, fuse_parallel_block, log_choice
 from mshpc.parallel.tensor import (
@@ -36,7 +39,7 @@ from mshpc.parallel.tensor import (
 )
 from mshpc.parallel.tp_split import COLUMNS, GATE_UP_ROWS, ROWS, TpSplit, chunk_bounds, qkv_split
 from mshpc.parallel.vocab_embedding import VocabParallelEmbedding
-from mshpc.parallel.zero import ModelParallel, ZeroEngine
+from mshpc.parallel.zero import ModelParallel, ShardDomain, ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
@@ -55,11 +58,17 @@ def parallelize(model: nn.Module, mesh: Mesh, *, model_cfg: ModelConfig, paralle
     `tied`: see apply_zero. Collective over the tp and dp groups."""
     device = next(model.parameters()).device
     loss = apply_tp(model, mesh.tp, parallel) if mesh.shape.tp > 1 else loss_fn
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.loss_scale = 1.0 / train.grad_accum  # the router's losses weigh as the model's per micro-batch
+        moe.experts.resolve_impl(device.type)
+    experts = apply_ep(model, mesh, parallel)
     apply_activation_checkpointing(model, parallel.activation_checkpointing)
     if train.compile:
-        apply_compile(_blocks(model), model_cfg.fused_kernels, device, fullgraph=mesh.shape.tp == 1)
+        # tp's collectives, and a mixture of experts' host syncs (dispatch sizes), run between graphs
+        apply_compile(_blocks(model), model_cfg.fused_kernels, device,
+                      fullgraph=mesh.shape.tp == 1 and model_cfg.moe is None)
     engine = apply_zero(model, mesh, parallel=parallel, optim=optim, fused_kernels=model_cfg.fused_kernels,
-                        compiled=train.compile, tied=tied)
+                        compiled=train.compile, tied=tied, domains=() if experts is None else (experts,))
     return Parallelized(engine, loss)
 
 
@@ -107,6 +116,10 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
     log_choice(fused, reason)
     for block in _blocks(model):
         attn, mlp = block.attn, block.mlp
+        if isinstance(mlp, MoE):
+            # experts are not split by tp: each tp rank routes its own sequence shard (apply_moe_tp)
+            apply_moe_tp(block, group, chunks)
+            continue
         qkv = qkv_split(attn.n_head, attn.n_kv_head, attn.head_dim)
         fc_split = GATE_UP_ROWS if mlp.gated else ROWS  # swiglu: the gate needs its rank's up rows
         local = {"attn.qkv": (_local(attn.qkv.weight, qkv, group), qkv),
@@ -120,6 +133,19 @@ def apply_tp(model: nn.Module, group: dist.ProcessGroup, parallel: ParallelConfi
         else:
             _split_block(attn, mlp, local, group, chunks)
     return functools.partial(vocab_parallel_cross_entropy, vocab_start=vocab_start, group=group)
+
+
+def apply_moe_tp(block: Any, group: dist.ProcessGroup, chunks: int) -> None:
+    """A mixture-of-experts block under tp: attention split as Megatron's; the MoE left whole on
+    every tp rank, routing the 1/tp sequence shard the rank holds (no collective between the
+    norm and the experts), its load statistics summed over the tp group (TpTokenShards)."""
+    attn = block.attn
+    qkv = qkv_split(attn.n_head, attn.n_kv_head, attn.head_dim)
+    tp = dist.get_world_size(group)
+    attn.qkv = ColumnParallelLinear(_local(attn.qkv.weight, qkv, group), group, chunks, qkv)
+    attn.proj = RowParallelLinear(_local(attn.proj.weight, COLUMNS, group), group, chunks)
+    attn.n_head, attn.n_kv_head = attn.n_head // tp, max(1, attn.n_kv_head // tp)
+    block.mlp.shards = TpTokenShards(group)
 
 
 def _split_block(attn: Any, mlp: Any, local: dict[str, tuple[torch.Tensor, TpSplit]],
@@ -158,9 +184,14 @@ def tp_splits(model: nn.Module) -> dict[str, TpSplit]:
 # ---------------------------------------------------------------- activation checkpointing
 
 
+def _recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    # the recomputed forward of a mixture of experts records no statistics a second time
+    return contextlib.nullcontext(), recomputing()
+
+
 def _recomputed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     # Non-reentrant: it restores the RNG state for dropout and works with the ZeRO hooks.
-    return functools.partial(checkpoint, fn, use_reentrant=False)
+    return functools.partial(checkpoint, fn, use_reentrant=False, context_fn=_recompute_context)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -179,11 +210,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 def apply_zero(model: nn.Module, mesh: Mesh, *, parallel: ParallelConfig, optim: OptimConfig, fused_kernels: str,
-               compiled: bool, tied: frozenset[str] = frozenset()) -> ZeroEngine:
+               compiled: bool, tied: frozenset[str] = frozenset(), domains: tuple[ShardDomain, ...] = ()) -> ZeroEngine:
     """ZeRO-2 over the dp group; the clipping norm is summed over the model-parallel group too.
     `tied` names a pipeline stage's copy of a weight the other embedding stage holds too (the
     tied embedding): its gradient is summed over the mesh's embed group. `fused_kernels`
-    (model.fused_kernels) picks the optimizer's kernel; `compiled` (train.compile) blocks hook once each."""
+    (model.fused_kernels) picks the optimizer's kernel; `compiled` (train.compile) blocks hook once
+    each; `domains`: parameters sharded over a group of their own (an MoE's experts over edp)."""
     replicated = tp_replicated(model) if mesh.shape.tp > 1 else frozenset()
     copies = tp_copies(model) if mesh.shape.tp > 1 else {}
     mp = ModelParallel(tp=mesh.tp, replicated=replicated, norm=mesh.mp, tied=tied, tied_group=mesh.embed,
@@ -191,4 +223,4 @@ def apply_zero(model: nn.Module, mesh: Mesh, *, parallel: ParallelConfig, optim:
     # the fused multi-tensor optimizer where the kernels built (chosen once per process, logged)
     fused = select_kernels(fused_kernels).fused
     units = tuple(_blocks(model)) if compiled else ()  # compiled: one hook per block
-    return build_zero_engine(model, optim, parallel, mesh.dp, mp, fused=fused, hook_units=units)
+    return build_zero_engine(model, optim, parallel, mesh.dp, mp, fused=fused, hook_units=units, domains=domains)

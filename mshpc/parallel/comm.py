@@ -235,13 +235,15 @@ def all_to_all(
 
 def all_to_all_v(
     output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-    group: dist.ProcessGroup | None = None,
-) -> None:
-    """Collective over `group`, blocking: input_splits[j] rows (dim 0) of `input` go to rank j,
+    group: dist.ProcessGroup | None = None, async_op: bool = False,
+) -> Pending | None:
+    """Collective over `group`: input_splits[j] rows (dim 0) of `input` go to rank j,
     output_splits[i] rows of `output` come from rank i, in rank order. Every rank must pass the
-    sizes its peers pass for it. Recorded with the bytes this rank sends."""
-    collective(group, "all_to_all_v", input.numel() * input.element_size(),
-               lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group))
+    sizes its peers pass for it. Recorded with the bytes this rank sends; returns the op's
+    handle with async_op (both tensors must then stay untouched until it is waited on)."""
+    return collective(group, "all_to_all_v", input.numel() * input.element_size(),
+                      lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=group,
+                                                     async_op=async_op))
 
 
 def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:

@@ -3,7 +3,7 @@
 at start-up.
 
 Group creation (MegaScale sec. 3.5 cut it from 1,047 s to under 5 s on 2,048 GPUs by removing
-global barriers and O(n^2) steps): each rank creates only the five groups it belongs to, with
+global barriers and O(n^2) steps): each rank creates only the seven groups it belongs to, with
 `use_local_synchronization=True`, so a group's creation involves its members only and no rank
 walks the list of every group in the job. torch's `split_group` (one ncclCommSplit per mesh
 dimension) needs NCCL and a device bound to the default group, and would make every split a
@@ -35,6 +35,8 @@ class Mesh:
     pp: dist.ProcessGroup
     mp: dist.ProcessGroup  # tp x pp at this dp coordinate: sums that span one model copy (grad norm)
     embed: dist.ProcessGroup  # first + last pp stage of this pipeline; a middle stage: itself alone
+    ep: dist.ProcessGroup  # the dp ranks a mixture of experts' experts are split over (expert parallelism)
+    edp: dist.ProcessGroup  # the dp ranks that hold this rank's experts too (expert data parallelism)
 
     @property
     def is_embedding_stage(self) -> bool:
@@ -42,7 +44,7 @@ class Mesh:
 
 
 def build_mesh(shape: MeshShape, timeout: timedelta | None = None) -> Mesh:
-    """Create this rank's five process groups (members-only: each group's creation involves its
+    """Create this rank's seven process groups (members-only: each group's creation involves its
     own ranks and no other). Every rank of the default group must call it, before any other
     group is created with use_local_synchronization: torch names such groups by a hash of their
     ranks and of how many groups the process made before, so every rank creates the same number

@@ -57,9 +57,10 @@ def layer_params(m: ModelConfig, tp: int = 1) -> float:
     """One block's parameters on one tp rank: the matrices (mfu.block_matrix_params) are split
     over tp, except that with fewer kv heads than tp ranks each rank keeps one whole kv head
     (Megatron's replication of grouped-query kv heads); the norms are replicated."""
-    kv = 2 * m.d_model * m.kv_heads * (m.d_model // m.n_head)  # k and v
+    kv = 2 * m.d_model * m.kv_heads * m.head_size  # k and v
     kv_per_rank = kv / min(tp, m.kv_heads)
-    return (block_matrix_params(m) - kv) / tp + kv_per_rank + _norm_params(m) * (1 if m.parallel_block else 2)
+    qk_norms = 2 * m.head_size if m.qk_norm else 0
+    return (block_matrix_params(m) - kv) / tp + kv_per_rank + _norm_params(m) * (1 if m.parallel_block else 2) + qk_norms
 
 
 def stage_params(m: ModelConfig, layout: Layout, stage: int) -> float:
@@ -99,7 +100,7 @@ def layer_activation_terms(m: ModelConfig, layout: Layout, flash: bool = True, d
     `documents`: packed documents (a document mask); `window_kernel`: FlashAttention's own
     sliding window (CUDA) rather than SDPA with a mask; `act_bytes`: 2 under bf16 autocast."""
     s, b, h, a, t = m.seq_len, layout.micro_batch, m.d_model, m.n_head, layout.tp
-    tokens, e, hd = s * b / t, act_bytes, h // m.n_head
+    tokens, e, hd = s * b / t, act_bytes, m.head_size
     norms = 1 if m.parallel_block else 2
     kv = kv_heads_per_token_share(m, t)
     fc_out = (2 if m.mlp == "swiglu" else 1) * m.ffn_width  # [gate | up] for SwiGLU
@@ -110,7 +111,7 @@ def layer_activation_terms(m: ModelConfig, layout: Layout, flash: bool = True, d
         "gemm_input_shards": norms * e * h,
         "rotated_q_k": e * (a + kv) * hd,  # rope's output: SDPA's q and k, one storage
         "values": e * kv * hd,  # v, copied out of the qkv output so that it does not pin it
-        "attention_output": e * h,  # the projection's input
+        "attention_output": e * a * hd,  # the projection's input
         "attention_logsumexp": STAT_BYTES * a,
         "fc_output": e * fc_out,  # the activation's input
         "activation_output": e * m.ffn_width,  # the second linear's input

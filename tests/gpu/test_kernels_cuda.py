@@ -10,8 +10,9 @@ import dataclasses
 import pytest
 import torch
 
-from support.kernel_cases import (NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm, check_norm,
-                          check_rope, check_swiglu, grads_of, norm_args, rand, swiglu_args)
+from support.kernel_cases import (NORMS, TOL, check_bias_gelu, check_mixed_bias_gelu, check_mixed_norm,
+                                  check_moe_permute, check_norm, check_rope, check_swiglu, grads_of, moe_args,
+                                  norm_args, rand, swiglu_args)
 from mshpc.config import ModelConfig
 from mshpc.kernels import build, ops
 from mshpc.kernels.ops import mshpc_ops
@@ -77,6 +78,30 @@ def test_swiglu_cuda_matches_cpu_twin():
     torch.testing.assert_close(ops.swiglu(x_gpu).cpu(), ops.swiglu(x_cpu), **TOL[torch.float32])
     torch.testing.assert_close(grads_of(ops.swiglu, (x_gpu,))[0].cpu(), grads_of(ops.swiglu, (x_cpu,))[0],
                                **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_permute(dtype):
+    check_moe_permute(dtype, device="cuda")
+    # rows of whole 16-byte vectors (64 columns), and rows wider than a block (4100 > 256 x 16)
+    check_moe_permute(dtype, device="cuda", tokens=300, k=2, d=64, drop=50)
+    check_moe_permute(dtype, device="cuda", tokens=40, k=4, d=4100, drop=7)
+
+
+def test_moe_unpermute_cuda_matches_cpu_twin_and_is_deterministic():
+    """Sums over a token's copies and the weights' dot products in one fixed order: the CUDA
+    kernel gives the same bits twice, and its CPU twin's values."""
+    x, pos, w, rows = moe_args(torch.float32, tokens=2000, k=2, d=1000, drop=100)
+    y = rand(rows, 1000, dtype=torch.float32, seed=3, grad=True)
+    w.requires_grad_(True)
+    on_gpu = (y.detach().cuda().requires_grad_(True), w.detach().cuda().requires_grad_(True))
+    fn_cpu = lambda a, b: ops.moe_unpermute(a, pos, b)  # noqa: E731
+    fn_gpu = lambda a, b: ops.moe_unpermute(a, pos.cuda(), b)  # noqa: E731
+    torch.testing.assert_close(fn_gpu(*on_gpu).cpu(), fn_cpu(y, w), **TOL[torch.float32])
+    first, second = grads_of(fn_gpu, on_gpu), grads_of(fn_gpu, on_gpu)
+    for a, b, c in zip(first, second, grads_of(fn_cpu, (y, w)), strict=True):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a.cpu(), c, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", list(NORMS))

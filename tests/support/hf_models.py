@@ -46,6 +46,30 @@ def relative_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
+FAST = ["train.cpu_threads=1", "run.progress=lines", "supervisor.max_restarts=0", "checkpoint.async_save=false",
+        "data.loader=torch"]  # as cli_runner.SMALL: DALI's import would cost more than the steps
+
+
+def checkpoint_logits(run_dir: Path, idx: torch.Tensor) -> torch.Tensor:
+    """The logits of the whole model in the run's latest checkpoint (its model/ copy, joined)."""
+    from mshpc.checkpoint.model_copy import read_model_copy
+    from mshpc.interop.hf_export import check_shapes, find_checkpoint, run_config
+    from mshpc.model.gpt import GPT
+
+    run_dir, cfg = run_config(run_dir, None)
+    folder = find_checkpoint(run_dir, run_dir, cfg.checkpoint)
+    weights = check_shapes(read_model_copy(folder), cfg.model, folder)
+    model = GPT(cfg.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    return mshpc_logits(model, idx)
+
+
+def run_tokens(vocab: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
+
+
 def checkpoint_run(run_dir: Path, cfg: Config, model: torch.nn.Module) -> Path:
     """A run directory (config.yaml) whose one checkpoint, `latest`, holds `model`'s weights as
     its model/ copy, each weight whole in one of 2 shards as dp=2 ranks write it; the step folder."""

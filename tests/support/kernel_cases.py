@@ -179,3 +179,34 @@ def check_mixed_bias_gelu(device: str = "cpu") -> None:
     assert got[1].dtype == torch.float32
     assert_close(got[0], want[0], torch.bfloat16)
     assert_close(got[1], want[1], torch.float32)
+
+
+def moe_args(dtype: torch.dtype, grad: bool = False, tokens: int = 9, k: int = 3, d: int = 36,
+             drop: int = 4, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(x (tokens, d), pos (tokens, k), w (tokens, k) fp32 (fp64 for fp64), rows): a random order of
+    the copies with `drop` of them dropped (-1); the width is not a multiple of a vector length."""
+    g = torch.Generator().manual_seed(12)
+    n = tokens * k
+    kept = torch.randperm(n, generator=g)[: n - drop]  # which copies the capacity keeps
+    pos = torch.full((n,), -1, dtype=torch.long)
+    pos[kept] = torch.randperm(n - drop, generator=g)
+    x = rand(tokens, d, dtype=dtype, seed=13, grad=grad, device=device)
+    w = torch.rand(tokens, k, generator=g, dtype=torch.float64).to(device, reference.compute_dtype(dtype))
+    return x, pos.view(tokens, k).to(device), w.requires_grad_(grad), n - drop
+
+
+def check_moe_permute(dtype: torch.dtype, device: str = "cpu", **shape: int) -> None:
+    """Fused permute and unpermute against their references: outputs, and the gradients of x,
+    of the expert outputs y and of the router's weights w."""
+    x, pos, w, rows = moe_args(dtype, grad=True, device=device, **shape)
+    xp = ops.moe_permute(x, pos, rows)
+    assert torch.equal(xp, reference.moe_permute(x, pos, rows))  # a copy: bitwise
+    got = grads_of(lambda t: ops.moe_permute(t, pos, rows), (x,))[0]
+    want = grads_of(lambda t: reference.moe_permute(t, pos, rows), (x,))[0]
+    assert_close(got, want, dtype)
+    y = rand(rows, x.shape[1], dtype=dtype, seed=14, grad=True, device=device)
+    assert_close(ops.moe_unpermute(y, pos, w), reference.moe_unpermute(y, pos, w), dtype)
+    got = grads_of(lambda a, b: ops.moe_unpermute(a, pos, b), (y, w))
+    want = grads_of(lambda a, b: reference.moe_unpermute(a, pos, b), (y, w))
+    for g, r in zip(got, want, strict=True):
+        assert_close(g, r, g.dtype)

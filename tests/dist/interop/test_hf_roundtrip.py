@@ -6,36 +6,14 @@ process; their CLI commands are tested in tests/unit/interop."""
 import warnings
 
 import pytest
-import torch
 from support.cli_runner import mshpc, read_metrics, train_args
-from support.hf_models import MAX_RELATIVE_DIFF, hf_logits, mshpc_logits, relative_diff
+from support.hf_models import FAST, MAX_RELATIVE_DIFF, checkpoint_logits, hf_logits, relative_diff, run_tokens
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mshpc.checkpoint.manifest import read_manifest
-from mshpc.checkpoint.model_copy import read_model_copy
 from mshpc.checkpoint.paths import latest_step, step_dir
-from mshpc.interop.hf_export import check_shapes, export_hf, find_checkpoint, run_config
+from mshpc.interop.hf_export import export_hf
 from mshpc.interop.hf_import import import_config
-from mshpc.model.gpt import GPT
-
-FAST = ["train.cpu_threads=1", "run.progress=lines", "supervisor.max_restarts=0", "checkpoint.async_save=false",
-        "data.loader=torch"]  # as cli_runner.SMALL: DALI's import would cost more than the steps
-
-
-def checkpoint_logits(run_dir, idx):
-    """The logits of the whole model in the run's latest checkpoint (its model/ copy, joined)."""
-    run_dir, cfg = run_config(run_dir, None)
-    folder = find_checkpoint(run_dir, run_dir, cfg.checkpoint)
-    weights = check_shapes(read_model_copy(folder), cfg.model, folder)
-    model = GPT(cfg.model)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(weights[name])
-    return mshpc_logits(model, idx)
-
-
-def tokens(vocab, seq):
-    return torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(3))
 
 
 def test_imported_llama_trains_20_steps_at_dp2_and_exports(tmp_path, corpus_cache):
@@ -53,7 +31,7 @@ def test_imported_llama_trains_20_steps_at_dp2_and_exports(tmp_path, corpus_cach
     assert len(read_metrics(tmp_path / "llama")) == 20
     lines = export_hf(tmp_path / "llama", tmp_path / "exported", max_shard_bytes=100_000)  # a run directory
     assert "as LlamaForCausalLM" in lines[0] and (tmp_path / "exported/model.safetensors.index.json").is_file()
-    idx = tokens(257, 32)
+    idx = run_tokens(257, 32)
     got = hf_logits(tmp_path / "exported", idx)
     assert relative_diff(got, checkpoint_logits(tmp_path / "llama", idx)) <= MAX_RELATIVE_DIFF
     assert relative_diff(got, hf_logits(tmp_path / "hf", idx)) > 1e-3  # 20 steps moved the weights
@@ -79,6 +57,6 @@ def test_tp2_pp2_checkpoint_exports(tmp_path, corpus_cache, model, arch):
     # in this process (the dp=2 test runs the CLI); a step folder: the config is found two levels up
     lines = export_hf(folder, tmp_path / "exported", max_shard_bytes=100_000)
     assert f"as {arch}" in lines[0] and (tmp_path / "exported/model.safetensors.index.json").is_file()
-    idx = tokens(257, 32)
+    idx = run_tokens(257, 32)
     assert relative_diff(hf_logits(tmp_path / "exported", idx), checkpoint_logits(tmp_path / "run", idx)) \
         <= MAX_RELATIVE_DIFF

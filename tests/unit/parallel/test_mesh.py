@@ -26,8 +26,22 @@ def test_group_ranks_of_dp2_tp2_pp2():
     shape = MeshShape(pp=2, dp=2, tp=2)
     # rank 5 = (pp=1, dp=0, tp=1)
     assert shape.group_ranks(5) == {
-        "tp": (4, 5), "dp": (5, 7), "pp": (1, 5), "mp": (0, 1, 4, 5), "embed": (1, 5),
+        "tp": (4, 5), "dp": (5, 7), "pp": (1, 5), "mp": (0, 1, 4, 5), "embed": (1, 5), "ep": (5,), "edp": (5, 7),
     }
+
+
+def test_expert_groups_are_carved_out_of_dp():
+    """ep=2 of dp=4 (tp=2): blocks of 2 consecutive dp ranks split the experts, and the ranks at
+    one place of every block hold the same experts (Megatron-Core's expert groups)."""
+    shape = MeshShape(pp=1, dp=4, tp=2, ep=2)
+    # rank 3 = (dp=1, tp=1): dp ranks 0, 1 of tp 1 are ranks 1, 3; dp 3 is rank 7
+    assert shape.group_ranks(3)["ep"] == (1, 3) and shape.group_ranks(3)["edp"] == (3, 7)
+    assert shape.group_ranks(4)["ep"] == (4, 6) and shape.group_ranks(4)["edp"] == (0, 4)
+    groups = shape.all_groups()
+    for name in ("ep", "edp"):
+        assert sorted(r for g in groups[name] for r in g) == list(range(8)), name
+    with pytest.raises(ConfigError, match="parallel.ep=3 does not divide dp=4"):
+        MeshShape(pp=1, dp=4, tp=1, ep=3)
 
 
 def test_middle_stages_embed_alone_and_ends_pair_up():
