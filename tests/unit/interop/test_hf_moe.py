@@ -11,6 +11,7 @@ import torch
 from support.hf_models import MAX_RELATIVE_DIFF, TINY, hf_logits, mshpc_logits, relative_diff, tokens
 
 from mshpc.config import ModelConfig, MoEConfig
+from mshpc.data.tokenizer import ByteTokenizer
 from mshpc.errors import InteropError
 from mshpc.interop.hf_arch import hf_architecture, hf_config, model_config
 from mshpc.interop.hf_export import write_hf
@@ -45,7 +46,7 @@ def test_export_computes_the_same_logits_and_imports_back(arch, tmp_path):
     m = CASES[arch]
     assert hf_architecture(m) == arch
     model = drawn(m)
-    write_hf(tmp_path / "hf", m, {n: p.detach().clone() for n, p in model.named_parameters()}, "byte")
+    write_hf(tmp_path / "hf", m, {n: p.detach().clone() for n, p in model.named_parameters()}, ByteTokenizer())
     idx = tokens(m)
     assert relative_diff(hf_logits(tmp_path / "hf", idx), mshpc_logits(model, idx)) <= MAX_RELATIVE_DIFF
     back = hf_model_config(tmp_path / "hf")
