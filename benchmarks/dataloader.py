@@ -38,9 +38,10 @@ from mshpc.data.node_reader import ReaderScope
 from mshpc.data.pipeline import build_loader
 from mshpc.data.prepare import dataset_path
 from mshpc.data.shards import TokenDataset
+from mshpc.launch.runtime import Runtime
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel.zero_build import build_zero_engine
-from mshpc.train import Runtime, train_step
+from mshpc.train import train_step
 
 MODES = {"per_gpu": {"loader": "torch"}, "per_node": {"per_node_reader": True}, "dali": {"loader": "dali"}}
 

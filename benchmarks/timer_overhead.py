@@ -66,9 +66,10 @@ def worker(rank: int, store: str, run_dir: str, args: argparse.Namespace, conn) 
     from mshpc.diagnose.collector import build_collector
     from mshpc.diagnose.timings import rank_file
     from mshpc.launch.rendezvous import DistInfo
+    from mshpc.launch.runtime import Runtime
     from mshpc.mesh_shape import MeshShape
     from mshpc.parallel.mesh import build_mesh
-    from mshpc.train import Runtime, build_data, build_model_step
+    from mshpc.train import build_data, build_model_step
 
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)  # on a busy machine the watches see stragglers: not this claim's

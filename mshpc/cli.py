@@ -9,9 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from mshpc.errors import ConfigError, LaunchError, MshpcError, print_error
-
-USER_ERROR_EXIT = 2
+from mshpc.errors import USER_ERROR_EXIT, ConfigError, LaunchError, MshpcError, print_error
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:

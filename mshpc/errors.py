@@ -9,9 +9,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+# What mshpc exits with on any MshpcError: the CLI, the batch script's helpers and the supervisor
+# (a rank's user error ends the run with it); a Slurm job that exits with it is not requeued.
+USER_ERROR_EXIT = 2
+
 
 class MshpcError(Exception):
-    """Base of every error a user can cause; the CLI prints it as one line and exits 2."""
+    """Base of every error a user can cause; the CLI prints it as one line and exits USER_ERROR_EXIT."""
 
 
 class ConfigError(MshpcError):

@@ -16,11 +16,10 @@ class Progress:
             mode = "bar" if self.stream.isatty() else "lines"
         self.mode = mode
 
-    def update(self, step: int, loss: float, tokens_per_s: float, mfu: float | None) -> None:
-        """Show the state after `step` (0-based) finished."""
+    def update(self, done: int, loss: float, tokens_per_s: float, mfu: float | None) -> None:
+        """Show the state once `done` steps are done."""
         if self.mode == "none":
             return
-        done = step + 1
         text = f"step {done}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s"
         if mfu is not None:
             text += f" mfu {100 * mfu:.1f}%"

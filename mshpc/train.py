@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,9 @@ from mshpc.data.node_reader import ReaderScope
 from mshpc.data.pipeline import build_loader
 from mshpc.data.sources import DataSources, adopt_tokenizer, log_blend, open_sources, source_paths
 from mshpc.data.tokenizer_dir import describe, record_tokenizer
-from mshpc.diagnose.collector import build_collector
-from mshpc.diagnose.mfu import mfu, peak_tflops
-from mshpc.diagnose.timers import EVAL, phase
+from mshpc.diagnose.collector import Collector, build_collector
+from mshpc.diagnose.mfu import mfu
+from mshpc.diagnose.timers import phase
 from mshpc.errors import ConfigError, MshpcError
 from mshpc.evaluate import Evaluator, build_evaluator
 from mshpc.fault_hooks import NO_FAULTS, FaultHooks
@@ -47,6 +46,8 @@ from mshpc.launch.env import LaunchEnv, SupervisorLink
 from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
+from mshpc.launch.run_claim import claim_run_dir
+from mshpc.launch.runtime import Runtime, build_runtime, max_memory_gib, uses_bf16, uses_cuda
 from mshpc.loggers.sinks import Loggers, build_loggers
 from mshpc.loss_check import check_loss
 from mshpc.mesh_shape import MeshShape
@@ -59,65 +60,16 @@ from mshpc.parallel.mesh import Mesh, build_mesh
 from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
 from mshpc.parallel.update import clipped_update
 from mshpc.parallel.zero import ZeroEngine
+from mshpc.phases import BACKWARD, CHECKPOINT, COMPILE, DATA, EVAL, FORWARD, STEP
 from mshpc.plan.auto_layout import fit_layout, rank_device_spec, smallest_over_world
 from mshpc.plan.report import fit_warning
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
-from mshpc.run_lock import (
-    LOCK_FILE,
-    RunLockError,
-    check_run_lock,
-    hold_run_lock,
-    inherited_token,
-    read_holder,
-    token_digest,
-)
 from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
 StepFn = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]  # batch -> (loss, grad norm)
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """Where and in what precision this rank computes, decided once at start-up."""
-
-    device: torch.device
-    autocast_dtype: torch.dtype | None  # None: plain fp32
-    peak_tflops: float | None
-
-
-def uses_cuda(cfg: TrainConfig) -> bool:
-    """Whether this rank computes on its GPU (train.device); a ConfigError when asked to and none is seen."""
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("train.device='cuda' but no CUDA device is visible (choose 'auto' or 'cpu')")
-    return use_cuda
-
-
-def uses_bf16(cfg: TrainConfig, use_cuda: bool) -> bool:
-    return cfg.dtype == "bf16" or (cfg.dtype == "auto" and use_cuda)
-
-
-def build_runtime(cfg: TrainConfig, info: DistInfo) -> Runtime:
-    use_cuda = uses_cuda(cfg)
-    if use_cuda:
-        torch.cuda.set_device(info.local_rank)
-        device, name = torch.device("cuda", info.local_rank), torch.cuda.get_device_name()
-    else:
-        # Ranks on one host share its cores; oversubscribing threads slows every rank.
-        cores = len(os.sched_getaffinity(0))
-        torch.set_num_threads(cfg.cpu_threads or max(1, cores // info.local_world_size))
-        device, name = torch.device("cpu"), "cpu"
-    bf16 = uses_bf16(cfg, use_cuda)
-    peak = cfg.peak_tflops if cfg.peak_tflops is not None else peak_tflops(name, "bf16" if bf16 else "fp32")
-    return Runtime(device=device, autocast_dtype=torch.bfloat16 if bf16 else None, peak_tflops=peak)
-
-
-def max_memory_gib(rt: Runtime) -> float | None:
-    """The most device memory this rank's tensors have held so far (None on CPU)."""
-    return torch.cuda.max_memory_allocated(rt.device) / 2**30 if rt.device.type == "cuda" else None
 
 
 def fit_to_world(cfg: Config, info: DistInfo) -> Config:
@@ -183,10 +135,10 @@ def train_step(engine: ZeroEngine, loss_fn: LossFn, batch: Batch, rt: Runtime, *
     for i, micro in enumerate(micros):
         # bf16 autocast on GPU: the parameters and their gradients stay fp32, so the engine
         # accumulates and reduces gradients in fp32
-        with phase("forward"), torch.autocast(rt.device.type, dtype=rt.autocast_dtype,
+        with phase(FORWARD), torch.autocast(rt.device.type, dtype=rt.autocast_dtype,
                                               enabled=rt.autocast_dtype is not None):
             loss = loss_fn(engine.model(micro.inputs, micro.segments), micro.targets) / train.grad_accum
-        with phase("backward"):
+        with phase(BACKWARD):
             engine.backward(loss, sync=i == len(micros) - 1)  # communicate on the last micro-batch only
         loss_sum += loss.detach()
     # every rank of a dp group holds the same tp-reduced loss: summed over the dp group
@@ -253,20 +205,6 @@ def build_eval(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, engine: Zer
                            parallel=cfg.parallel, train=cfg.train, data=cfg.data)
 
 
-def run_eval(evaluator: Evaluator | None, step: int, beat: Heartbeat) -> tuple[dict[str, float], float]:
-    """Validation after step `step` (0-based) when it is due: its metrics and its seconds. Its
-    own phase for the timers and the heartbeat: never blamed as a straggler, timed as a long
-    phase by hang detection. Collective over the world."""
-    if evaluator is None or not evaluator.due(step + 1):
-        return {}, 0.0
-    beat.phase("eval", step)
-    start = time.perf_counter()
-    with phase(EVAL):
-        loss = evaluator.evaluate()
-    eval_s = time.perf_counter() - start
-    return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else math.inf, "eval_s": eval_s}, eval_s
-
-
 def open_loggers(cfg: Config, info: DistInfo, start_step: int) -> tuple[Path | None, Loggers | None]:
     """Rank 0's run directory and loggers (None elsewhere). Collective over the world: a logger
     that cannot start stops every rank at start-up with its one line."""
@@ -283,15 +221,40 @@ def open_loggers(cfg: Config, info: DistInfo, start_step: int) -> tuple[Path | N
     return out
 
 
-def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
-                 faults: FaultHooks = NO_FAULTS, beat: Heartbeat | None = None) -> list[float]:
-    """The loop itself; returns the global mean loss of every step this process trained."""
+@dataclass
+class Parts:
+    """What the loop runs, built by `build_parts`, closed by `close` whatever happened."""
+
+    engine: ZeroEngine
+    step_fn: StepFn
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ckpt: TrainCheckpointer
+    start_step: int  # optimizer steps done before this process's first (0: a fresh run)
+    loader: BatchLoader
+    evaluator: Evaluator | None
+    loggers: Loggers | None  # rank 0's
+    run_dir: Path | None  # rank 0's, once its loggers have started
+    diag: Collector
+    progress: Progress
+    load: ExpertLoad | None  # a mixture of experts' load statistics and router biases (None: dense)
+
+    def close(self) -> None:
+        self.diag.close()
+        self.loader.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
+        if self.loggers is not None:
+            self.loggers.close()
+
+
+def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks) -> Parts:
+    """The mesh, the model and its step, the schedule, the checkpointer (resumed), the data, the
+    evaluator, the loggers and the timers' collector, in that order. Collective over the world."""
     p = cfg.parallel
     mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep))  # every group, once
     engine, step_fn = build_model_step(cfg, mesh, rt)
     load = ExpertLoad(engine.model, cfg.model.moe, cfg.model.n_layer) if cfg.model.moe else None
-    optimizer = engine.optimizer  # over this rank's fp32 shard
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    scheduler = build_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)  # over this rank's fp32 shard
     # Per-rank dropout masks, as DP needs; tp ranks drop out of different tokens (sequence
     # parallelism) or heads, so theirs differ too.
     torch.manual_seed(cfg.train.seed + info.rank)
@@ -307,67 +270,127 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     diag = build_collector(run_dir, info.rank, info.node, rt.device, start_step, rt.peak_tflops,
                            diagnose=cfg.diagnose, model_cfg=cfg.model, parallel=cfg.parallel)
     progress = Progress(cfg.train.steps, cfg.run.progress if info.rank == 0 else "none")
-    tokens_per_step = cfg.global_batch * cfg.model.seq_len
-    losses: list[float] = []
+    return Parts(engine, step_fn, scheduler, ckpt, start_step, loader, evaluator, loggers, log_dir, diag, progress,
+                 load)
+
+
+@dataclass
+class StepFigures:
+    """What one step measured, for its row."""
+
+    loss: float  # the global mean loss
+    grad_norm: torch.Tensor  # before clipping (read only when the row is written: no device sync per step)
+    lr: float  # the step's learning rate
+    stage1_wait_s: float | None  # the update's wait for the previous save's stage 1 (None: none)
+    compiled: dict[str, float]  # compile_s on train.compile's first step
+    experts: dict[str, Any]  # a mixture of experts' load and router figures ({} for a dense model)
+    validation: dict[str, float] = field(default_factory=dict)  # val_loss, val_ppl, eval_s when due
+    blocking_s: float | None = None  # the loop's wait for this step's save; None when the step saved nothing
+    step_time_s: float = 0.0  # the training step's own time: validation left out
+    data_wait_s: float = 0.0
+
+
+@contextmanager
+def loop_phase(beat: Heartbeat, name: str, step: int) -> Iterator[None]:
+    """Phase `name` of step `step` (0-based), for the heartbeat (hang detection) and the timers alike."""
+    beat.phase(name, step)
+    with phase(name):
+        yield
+
+
+def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
+                 faults: FaultHooks = NO_FAULTS, beat: Heartbeat | None = None) -> list[float]:
+    """The loop itself; returns the global mean loss of every step this process trained."""
+    parts = build_parts(cfg, info, rt, faults)
     beat = beat or open_heartbeat(cfg, None, info)
+    losses: list[float] = []
     try:
-        for step in range(start_step, cfg.train.steps):
-            start, wait_before = time.perf_counter(), loader.wait_s
-            diag.begin_step(step + 1)
-            beat.phase("data", step)
-            with phase("data"):
-                batch = next(loader)
-            # the first step compiles (train.compile): a long phase for hang detection, like a save
-            beat.phase("compile" if cfg.train.compile and step == start_step else "step", step)
-            faults.at_step(step)
-            loss, grad_norm = step_fn(batch)
-            moe_metrics = moe_row(load, cfg.model)  # before the next step: the router biases move
-            compile_row = compile_report(cfg.train, step == start_step, info.rank)
-            stage1_wait_s = ckpt.pop_stage1_wait()
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            losses.append(loss.item())
-            # the loss is all-reduced: every rank raises alike, before a NaN can be saved
-            check_loss(losses[-1], step, cfg.supervisor.loss_limit)
-            # after the loss check (a diverged model is not scored); the step's row carries it
-            val_row, eval_s = run_eval(evaluator, step, beat)
-            beat.phase("checkpoint", step)
-            with phase("checkpoint"):  # stage 1 overlaps the next forward and backward, stage 2 the next steps
-                blocking_s = ckpt.maybe_save(step + 1)
-            step_time_s = time.perf_counter() - start - eval_s  # the training step's own
-            tokens_per_s = tokens_per_step / step_time_s
-            step_mfu = mfu(tokens_per_s, cfg.model, info.world_size, rt.peak_tflops)
-            tflops = diag.end_step(step + 1, tokens_per_s)
-            if loggers is not None and ((step + 1) % cfg.run.log_interval_steps == 0 or val_row or compile_row):
-                loggers.write({
-                    "step": step + 1, "loss": losses[-1], "lr": lr, "grad_norm": grad_norm.item(),
-                    "tokens_per_s": tokens_per_s, "step_time_s": step_time_s, "mfu": step_mfu, "tflops": tflops,
-                    "data_wait_s": loader.wait_s - wait_before, "ckpt_blocking_s": blocking_s,
-                    "ckpt_stage1_wait_s": stage1_wait_s,
-                    "max_memory_gib": max_memory_gib(rt), **val_row, **compile_row, **moe_metrics,
-                })
-            progress.update(step, losses[-1], tokens_per_s, step_mfu)
-            stop = watcher.should_stop()  # collective over the world: all ranks agree
-            if stop is not None:
-                if blocking_s is None:
-                    ckpt.save(step + 1)
-                ckpt.close()
-                watcher.stop(stop, info.rank)  # rank 0 requeues if asked; raises JobStopped
-        ckpt.close()
-        diag.close(final_step=cfg.train.steps)  # the last straggler look sees every rank's last step
+        for step in range(parts.start_step, cfg.train.steps):
+            done = step + 1  # optimizer steps done once this one ends: what rows, saves and evaluations count
+            started, waited = time.perf_counter(), parts.loader.wait_s
+            parts.diag.begin_step(done)
+            with loop_phase(beat, DATA, step):
+                batch = next(parts.loader)
+            figures = optimizer_step(cfg, parts, batch, step, beat, faults, info.rank)
+            losses.append(figures.loss)
+            figures.validation = evaluate_if_due(parts.evaluator, step, done, beat)  # after the loss check
+            with loop_phase(beat, CHECKPOINT, step):  # stage 1 overlaps the next forward and backward
+                figures.blocking_s = parts.ckpt.save(done) if parts.ckpt.schedule.due(done) else None
+            figures.step_time_s = time.perf_counter() - started - figures.validation.get("eval_s", 0.0)
+            figures.data_wait_s = parts.loader.wait_s - waited
+            report_step(cfg, parts, rt, info.world_size, done, figures)
+            stop_if_asked(watcher, parts.ckpt, done, info.rank)
+        parts.ckpt.close()
+        parts.diag.close(final_step=cfg.train.steps)  # the last straggler look sees every rank's last step
     except BaseException:
-        settle_save_in_flight(ckpt, beat)
+        settle_save_in_flight(parts.ckpt, beat)
         raise
     finally:
-        diag.close()
-        loader.close()
-        if evaluator is not None:
-            evaluator.close()
-        if loggers is not None:
-            loggers.close()
-    if log_dir is not None:
-        log.info("run directory: %s", log_dir)
+        parts.close()
+    if parts.run_dir is not None:
+        log.info("run directory: %s", parts.run_dir)
     return losses
+
+
+def optimizer_step(cfg: Config, parts: Parts, batch: Batch, step: int, beat: Heartbeat, faults: FaultHooks,
+                   rank: int) -> StepFigures:
+    """Forward, backward and update of step `step` (0-based), then the loss check. Collective
+    over the world."""
+    first = step == parts.start_step
+    # the first step compiles (train.compile): a long phase for hang detection, like a save
+    beat.phase(COMPILE if cfg.train.compile and first else STEP, step)
+    faults.at_step(step)
+    loss, grad_norm = parts.step_fn(batch)
+    experts = moe_row(parts.load, cfg.model)  # before the next step: the router biases move
+    figures = StepFigures(loss.item(), grad_norm, float(parts.scheduler.get_last_lr()[0]),
+                          parts.ckpt.pop_stage1_wait(), compile_report(cfg.train, first, rank), experts)
+    parts.scheduler.step()
+    # the loss is all-reduced: every rank raises alike, before a NaN can be saved
+    check_loss(figures.loss, step, cfg.supervisor.loss_limit)
+    return figures
+
+
+def evaluate_if_due(evaluator: Evaluator | None, step: int, done: int, beat: Heartbeat) -> dict[str, float]:
+    """Validation once `done` steps are done, when eval.interval_steps says so: its figures for the
+    step's row. Its own phase: never blamed as a straggler, timed as a long phase by hang
+    detection. Collective over the world."""
+    if evaluator is None or not evaluator.due(done):
+        return {}
+    start = time.perf_counter()
+    with loop_phase(beat, EVAL, step):
+        loss = evaluator.evaluate()
+    return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else math.inf,
+            "eval_s": time.perf_counter() - start}
+
+
+def report_step(cfg: Config, parts: Parts, rt: Runtime, world_size: int, done: int, figures: StepFigures) -> None:
+    """Close the timers of the step that made it `done` steps (every rank); rank 0 writes its row
+    every run.log_interval_steps (and whenever it validated or compiled), and the progress line."""
+    tokens_per_s = cfg.global_batch * cfg.model.seq_len / figures.step_time_s
+    step_mfu = mfu(tokens_per_s, cfg.model, world_size, rt.peak_tflops)
+    tflops = parts.diag.end_step(done, tokens_per_s)
+    if parts.loggers is not None and (done % cfg.run.log_interval_steps == 0 or figures.validation or figures.compiled):
+        parts.loggers.write({
+            "step": done, "loss": figures.loss, "lr": figures.lr, "grad_norm": figures.grad_norm.item(),
+            "tokens_per_s": tokens_per_s, "step_time_s": figures.step_time_s, "mfu": step_mfu, "tflops": tflops,
+            "data_wait_s": figures.data_wait_s, "ckpt_blocking_s": figures.blocking_s,
+            "ckpt_stage1_wait_s": figures.stage1_wait_s, "max_memory_gib": max_memory_gib(rt),
+            **figures.validation, **figures.compiled, **figures.experts,
+        })
+    parts.progress.update(done, figures.loss, tokens_per_s, step_mfu)
+
+
+def stop_if_asked(watcher: PreemptionWatcher, ckpt: TrainCheckpointer, done: int, rank: int) -> None:
+    """The stop vote, collective over the world: when any rank was signalled, every rank saves
+    (unless this step just did), waits for the save, and stops (rank 0 requeues if asked);
+    raises JobStopped."""
+    stop = watcher.should_stop()
+    if stop is None:
+        return
+    if not ckpt.schedule.due(done):
+        ckpt.save(done)
+    ckpt.close()
+    watcher.stop(stop, rank)
 
 
 def settle_save_in_flight(ckpt: TrainCheckpointer, beat: Heartbeat) -> None:
@@ -376,7 +399,7 @@ def settle_save_in_flight(ckpt: TrainCheckpointer, beat: Heartbeat) -> None:
     wait is the save's phase, with the save's timeout: a long save is no hang."""
     step = ckpt.in_flight_step
     if step is not None:
-        beat.phase("checkpoint", step - 1)  # the phase of the step that saved (0-based)
+        beat.phase(CHECKPOINT, step - 1)  # the phase of the step that saved (0-based)
         ckpt.close_after_error()
 
 
@@ -384,41 +407,6 @@ def open_heartbeat(cfg: Config, link: SupervisorLink | None, info: DistInfo) -> 
     """This rank's heartbeat (to the supervisor at `link`; silent without one)."""
     return start_heartbeat(link, info.rank, info.node, parallel=cfg.parallel, supervisor=cfg.supervisor,
                            saves=SaveSchedule.of(checkpoint=cfg.checkpoint, train=cfg.train))
-
-
-@contextmanager
-def claim_run_dir(run_dir: Path, info: DistInfo, rt: Runtime) -> Iterator[None]:
-    """Make sure this rank's run holds run_dir before anything is written there. Ranks started by
-    a holder (the supervisor) inherit its token and check it against the lock file; without one
-    (a single process, or ranks of srun, mpiexec or torchrun alone) rank 0 takes the lock for the
-    run, and the world agrees on it collectively, so every rank fails alike if it cannot."""
-    token = inherited_token()
-    if token is not None:
-        check_run_lock(run_dir, token)
-        yield
-        return
-    with ExitStack() as held:
-        error = None
-        if info.rank == 0:
-            try:
-                token = held.enter_context(hold_run_lock(run_dir)).token
-            except RunLockError as exc:
-                error = exc
-        comm.raise_if_any_failed(error, "taking the run directory's lock")
-        _check_rank0_holds(run_dir, token, rt)
-        yield
-
-
-def _check_rank0_holds(run_dir: Path, token: str | None, rt: Runtime) -> None:
-    """Collective over the world: rank 0's token, as a digest summed with the others' zeros (one
-    all-reduce on any backend), must be the one the lock file names on every rank."""
-    digest = torch.tensor([token_digest(token) if token else 0], dtype=torch.int64, device=rt.device)
-    comm.all_reduce(digest)
-    holder = read_holder(run_dir / LOCK_FILE)
-    if holder is None or token_digest(holder.token) != digest.item():
-        who = holder.describe() if holder else "nobody"
-        raise RunLockError(f"{run_dir}: rank 0 took {run_dir / LOCK_FILE}, "
-                           f"but this rank sees it held by {who}")
 
 
 def train(cfg: Config, env: LaunchEnv) -> list[float]:

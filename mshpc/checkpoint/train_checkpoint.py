@@ -55,7 +55,7 @@ def build_dp_group(p: ParallelConfig, world: dist.ProcessGroup) -> dist.ProcessG
 
 
 class TrainCheckpointer:
-    """Collective over the world: every rank calls `resume`, `maybe_save` and `close` alike.
+    """Collective over the world: every rank calls `resume`, `save` (on the steps `schedule` names) and `close` alike.
     Checkpoints go under `root`, events to `run_dir`; `config_hash` is recorded with each."""
 
     def __init__(self, root: Path, rank: int, engine: ZeroEngine, scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -96,11 +96,6 @@ class TrainCheckpointer:
             extras[SPLITS_KEY] = dict(sorted(self._all_splits.items()))  # another tp joins and re-cuts by them
         return extras
 
-    def maybe_save(self, step: int) -> float | None:
-        """After `step` optimizer steps: save if the schedule says so; return the seconds the
-        loop was blocked, or None when nothing was saved."""
-        return self.save(step) if self.schedule.due(step) else None
-
     def save(self, step: int) -> float:
         """Save now, after `step` optimizer steps; return the seconds the loop was blocked."""
         self.engine.wait_params()  # the weights of this step, not half-gathered ones
@@ -139,17 +134,17 @@ class TrainCheckpointer:
         """On the way out after an error: let the save in flight end before the process group
         its thread talks on is destroyed. Every live rank's save thread goes on, so the save
         commits (a checkpoint the restart can use) unless a rank is gone, and then its
-        collective fails at once. Its failure is logged; the error being raised is the rank's."""
+        collective fails at once. Its failure is logged; the error being raised is the rank's.
+        Every rank that waits says so: the rank whose own error ends the run is the one that
+        waits (its peers learn of it only when it exits, and the supervisor may stop them then)."""
         step = self.saver.in_flight_step
         if step is None:
             return
-        if self.rank == 0:
-            log.info("finishing the checkpoint of step %d in flight before exiting", step)
+        log.warning("rank %d: finishing the checkpoint of step %d in flight before exiting", self.rank, step)
         try:
             self.saver.wait()
         except Exception as exc:
-            if self.rank == 0:
-                log.warning("the checkpoint of step %d in flight failed too: %s", step, exc)
+            log.warning("rank %d: the checkpoint of step %d in flight failed too: %s", self.rank, step, exc)
 
     # ---------------------------------------------------------------- resume
 

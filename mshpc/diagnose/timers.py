@@ -1,6 +1,6 @@
 """Always-on phase timers (MegaScale, Jiang et al. 2024, sec. 5.1).
 
-A phase is a named span on the train loop's thread: `with phase("forward"): ...`. Phases nest,
+A phase is a named span on the train loop's thread: `with phase(FORWARD): ...` (mshpc/phases.py). Phases nest,
 and each one keeps its own ("self") time, without the phases inside it, so the phases of a step
 add up to the step: the optimizer's time excludes the collectives it waits for, and whatever no
 phase covers is the step's "other".
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-# Phase names the train loop uses; collectives are "comm.<op>" (mshpc/parallel/comm.py).
-DATA, FORWARD, BACKWARD, OPTIMIZER, CHECKPOINT, EVAL, OTHER = (
-    "data", "forward", "backward", "optimizer", "checkpoint", "eval", "other")
+from mshpc.phases import CHECKPOINT, DATA, EVAL, OTHER
+
+# The loop's phase names are mshpc/phases.py's; collectives are "comm.<op>" (mshpc/parallel/comm.py).
 COMM_PREFIX = "comm."
 PIPELINE_PREFIX = "pipeline."
 # Point-to-point waits are where a pipeline stage idles for its neighbour: the bubble.
@@ -193,5 +193,5 @@ TIMERS = PhaseTimers()
 
 
 def phase(name: str) -> _Phase:
-    """`with phase("forward"): ...` times the block as a phase of the current step."""
+    """`with phase(FORWARD): ...` times the block as a phase of the current step."""
     return TIMERS.phase(name)

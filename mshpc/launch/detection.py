@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mshpc.config import SupervisorConfig
+from mshpc.errors import USER_ERROR_EXIT
 from mshpc.launch.monitor import RankState
 from mshpc.launch.timeouts import phase_timeout
 
 Kind = Literal["crash", "hang", "loss", "user_error"]
-USER_ERROR_EXIT = 2  # what the CLI exits with on any MshpcError
 SETTLE_S = 0.5  # after a first failure, what else ended this soon after is taken in before deciding
 ECHO_WAIT_S = 5.0  # how long an echo waits for the failure it echoes, when that rank has not ended yet
 # parallel.comm.raise_if_any_failed's words on the ranks where the step did not fail itself

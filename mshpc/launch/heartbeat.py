@@ -41,11 +41,12 @@ from mshpc.launch.requeue import STOP_REQUEST_SIGNAL
 from mshpc.loss_check import LossDiverged
 from mshpc.mesh_shape import MeshShape
 from mshpc.parallel.comm import RECORDER
+from mshpc.phases import CHECKPOINT, COMPILE, DATA, EVAL, SETUP, STEP
 from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
-PHASES = ("setup", "data", "step", "compile", "eval", "checkpoint")  # compile: train.compile's first step
+PHASES = (SETUP, DATA, STEP, COMPILE, EVAL, CHECKPOINT)  # what the loop reports (mshpc/phases.py)
 MIN_SAMPLES = 3  # a phase's median means something after this many
 _WINDOW = 64  # recent durations kept per phase
 ORPHAN_EXIT = 1  # a rank that outlived its supervisor and could not stop in order
@@ -71,7 +72,7 @@ class Heartbeat:
                  schedule: SaveSchedule, orphan_grace_s: float | None = None, relay: RelayPlan | None = None) -> None:
         self.link, self.hello, self.interval_s, self.schedule = link, hello, interval_s, schedule
         self.orphan_grace_s, self.relay = orphan_grace_s, relay
-        self._current = ("setup", -1, time.monotonic())  # (phase, step, entered at)
+        self._current = (SETUP, -1, time.monotonic())  # (phase, step, entered at)
         self._start_step: int | None = None
         self._durations: dict[str, collections.deque[float]] = {p: collections.deque(maxlen=_WINDOW) for p in PHASES}
         self._sock: socket.socket | None = None
@@ -86,11 +87,11 @@ class Heartbeat:
         """Enter phase `name` of step `step` (0-based). The checkpoint phase begins only on steps
         that save (a long save is no hang); on the others the step phase goes on to the next
         data phase."""
-        if name == "checkpoint" and not self.schedule.due(step + 1):
+        if name == CHECKPOINT and not self.schedule.due(step + 1):
             return  # no save after this step: its tail (metrics, the stop check) counts as the step
         now = time.monotonic()
         previous, _, since = self._current
-        if previous == "setup":
+        if previous == SETUP:
             self._start_step = step  # where this attempt resumed: told at once, not in the next beat
             self._send({"type": "started", "start_step": step})
         self._durations[previous].append(now - since)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mshpc.launch.server_limits import ensure_descriptors, listen_backlog
+from mshpc.phases import SETUP
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class RankState:
     pid: int | None = None
     coords: str | None = None
     last_beat_at: float | None = None
-    phase: str = "setup"
+    phase: str = SETUP
     step: int = -1
     start_step: int | None = None  # the step the rank resumed from: its "started" message, or its last words
     phase_s: float = 0.0  # seconds in `phase` when the last beat was sent

@@ -3,7 +3,7 @@ and the guards that keep a requeue loop from spinning forever.
 
 A job's exit code says what should happen next (sbatch/train.sbatch and `mshpc.submit` keep to it):
   0                   finished; the run's FINISHED marker names the job, so a requeue of it does nothing
-  2 (DO_NOT_REQUEUE)  a user error (any MshpcError: config, data, checkpoint); retrying cannot help
+  2 (USER_ERROR_EXIT) a user error (any MshpcError: config, data, checkpoint); retrying cannot help
   128+N               stopped by signal N after a stop checkpoint (N = the preempt signal: requeued)
   anything else       a crash: requeued while slurm.max_failures_without_progress allows
 
@@ -28,13 +28,12 @@ from typing import Any, NoReturn
 
 from mshpc.checkpoint.paths import checkpoint_root, latest_step
 from mshpc.config import SlurmConfig, load_config
-from mshpc.errors import MshpcError, print_error
+from mshpc.errors import USER_ERROR_EXIT, MshpcError, print_error
 from mshpc.launch.env import LaunchEnv, SlurmEnv, read_launch_env
 from mshpc.run_dir import run_path
 
 log = logging.getLogger(__name__)
 
-DO_NOT_REQUEUE_EXIT = 2  # the CLI's exit code for any MshpcError (cli.USER_ERROR_EXIT)
 FINISHED_FILE = "FINISHED"
 STATE_FILE = "requeue.json"
 _STOP, _REQUEUE = 1, 2  # what a signal asks for; the strongest one received wins
@@ -255,7 +254,7 @@ def after_exit(rc: int, env: LaunchEnv, *, slurm: SlurmConfig, run_dir: Path, ch
     state = read_state(run_dir)
     if rc == 0:
         mark_finished(run_dir, key, latest_checkpoint_step(checkpoints))
-    elif rc == DO_NOT_REQUEUE_EXIT:
+    elif rc == USER_ERROR_EXIT:
         log.error("not requeued: exit code %d is a user error that a retry cannot fix", rc)
     elif state is not None and state.job == key and state.requeued_restart == env.slurm.restart_count:
         log.info("rank 0 requeued the job already")
@@ -279,13 +278,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run_batch_helper(body: Callable[[], int]) -> int:
     """What every batch-script helper does around its `body` (which loads CONFIG --set ... and
-    the launch environment): the log format, and a user error as one line and DO_NOT_REQUEUE_EXIT."""
+    the launch environment): the log format, and a user error as one line and USER_ERROR_EXIT."""
     logging.basicConfig(level=logging.INFO, format="mshpc: %(message)s")
     try:
         return body()
     except MshpcError as exc:
         print_error(exc)
-        return DO_NOT_REQUEUE_EXIT
+        return USER_ERROR_EXIT
 
 
 def main(argv: Sequence[str] | None = None) -> int:

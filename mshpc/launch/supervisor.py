@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from mshpc.config import SupervisorConfig
+from mshpc.errors import USER_ERROR_EXIT
 from mshpc.events import append_event
 from mshpc.launch.detection import Detection, all_finished, detect, stop_request
 from mshpc.launch.hang_report import REPORT_FILE, Missing, missing_ranks, where, write_hang_report
@@ -44,7 +45,6 @@ POLL_S = 0.2
 # otherwise run thousands of 10 ms checks back to back and starve the monitor's loop
 CHECK_SHARE = 0.1
 DUMP_WAIT_S = 5.0  # how long live ranks get to send their stacks for the hang report
-USER_ERROR_EXIT = 2
 EXIT_WAIT_S = 60.0  # ranks that all said "ok" get this long to exit before they are stopped
 LAST_WORDS_WAIT_S = 5.0  # how long rank 0's last message may trail the exit of its process
 # Verdicts that no restart can fix: the run ends with USER_ERROR_EXIT and the failure's line
@@ -76,6 +76,14 @@ class Attempt:
     first_step_at: float | None = None  # when a first step finished: training goes on
 
 
+@dataclass(frozen=True)
+class Failure:
+    """An attempt's failure: what detection saw, and the verdict classification gave."""
+
+    detection: Detection
+    verdict: Verdict
+
+
 @dataclass
 class Tally:
     """What `run_end` reports."""
@@ -100,7 +108,6 @@ class Supervisor:
         self.run_dir, self.checkpoints = run_dir, checkpoints
         self.tally = Tally()
         self.past: PastFailure | None = None
-        self._last_verdict: Verdict | None = None
         self.stopping = False  # set when the job is told to stop (scancel, time limit): no restarts
         self.requeued = False
         self.stop_signal: int | None = None  # the first stop signal this supervisor received
@@ -130,19 +137,20 @@ class Supervisor:
                    knobs={**dataclasses.asdict(self.scfg), "spare_nodes": self.spare_nodes})
         restarts = 0
         for number in range(self.scfg.max_restarts + 1):
-            code, det = self._attempt(number)
-            if det is None and code == 0:
+            code, failure = self._attempt(number)
+            if failure is None and code == 0:
                 return self._end("finished", code)
-            if det is None:  # stopped on request after a checkpoint: as the ranks did, not a failure
+            if failure is None:  # stopped on request after a checkpoint: as the ranks did, not a failure
                 raise JobStopped(self._stopped(code))
-            if not self._recoverable(det, restarts):
-                return self._failed(det)
+            if not self._recoverable(failure.verdict, restarts):
+                return self._failed(failure)
             restarts += 1
         raise AssertionError("unreachable: the last attempt either ends or is not recoverable")
 
-    def _failed(self, det: Detection) -> int:
+    def _failed(self, failure: Failure) -> int:
         """The end after a failure that is not retried; the last line says what failed."""
-        no_retry = self._last_verdict is not None and self._last_verdict.cls in NOT_RETRIED
+        det = failure.detection
+        no_retry = failure.verdict.cls in NOT_RETRIED
         code = self._end("requeued" if self.requeued else "failed", USER_ERROR_EXIT if no_retry else det.exit_code)
         if self.requeued:  # the job goes on elsewhere: no result to record (submitit)
             raise JobStopped(code)
@@ -160,7 +168,9 @@ class Supervisor:
               "(the same command resumes from it)", file=sys.stderr)
         return code
 
-    def _attempt(self, number: int) -> tuple[int, Detection | None]:
+    def _attempt(self, number: int) -> tuple[int, Failure | None]:
+        """One attempt, from starting its ranks to stopping them: its exit code, and its failure
+        (None when the ranks finished or stopped on request)."""
         token = uuid.uuid4().hex
         monitor = Monitor(self.world, token, self.bind_host)
         address = socket.gethostname() if self.bind_host != "127.0.0.1" else "127.0.0.1"
@@ -173,9 +183,8 @@ class Supervisor:
             code, det = self._watch(monitor, ranks, attempt)
             if det is None:
                 self._last_words(monitor, attempt)
-            else:
-                self._handle(det, monitor, ranks, attempt, token)
-            return code, det
+                return code, None
+            return code, Failure(det, self._handle(det, monitor, ranks, attempt, token))
         finally:
             ranks.stop(self.scfg.stop_grace_s)
             monitor.close()
@@ -259,7 +268,8 @@ class Supervisor:
 
     # ---------------------------------------------------------------- a failure
 
-    def _handle(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt, token: str) -> None:
+    def _handle(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt, token: str) -> Verdict:
+        """Say what failed (events, the hang report), stop the ranks, and classify the failure."""
         states = monitor.ranks
         self.tally.detected_at = time.monotonic()
         self.tally.failures.append(det.kind)
@@ -276,9 +286,10 @@ class Supervisor:
         self.event("ranks_stopped", attempt=attempt.number, stop_s=time.monotonic() - began, sigkilled=killed)
         same = self.past == (now := PastFailure(det.kind, det.rank, det.step, det.detail, attempt.resumed_from))
         self.past = now
-        self._last_verdict = classify(det, states, missing, self.down(attempt.hosts), same)
-        self.event("classified", attempt=attempt.number, fault_class=self._last_verdict.cls,
-                   blame=list(self._last_verdict.blame), reason=self._last_verdict.reason)
+        verdict = classify(det, states, missing, self.down(attempt.hosts), same)
+        self.event("classified", attempt=attempt.number, fault_class=verdict.cls, blame=list(verdict.blame),
+                   reason=verdict.reason)
+        return verdict
 
     def _report_hang(self, det: Detection, monitor: Monitor, attempt: Attempt, token: str) -> list[Missing]:
         """Before anything is stopped: every live rank's stacks and flight recorder, the missing
@@ -299,10 +310,8 @@ class Supervisor:
             log.warning("supervisor: missing %s: %s", where(states[m.rank]), m.why)
         return missing
 
-    def _recoverable(self, det: Detection, restarts: int) -> bool:
-        """Evict what must go; then whether a restart is allowed and possible."""
-        verdict = self._last_verdict
-        assert verdict is not None, "classified in _handle"
+    def _recoverable(self, verdict: Verdict, restarts: int) -> bool:
+        """Evict what `verdict` blames; then whether a restart is allowed and possible."""
         if verdict.cls in NOT_RETRIED:
             return False
         for host in verdict.blame:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mshpc.config import SupervisorConfig
+from mshpc.phases import LONG, SETUP
 
 
 @dataclass(frozen=True)
@@ -23,11 +24,11 @@ class PhaseTimeout:
 
 def phase_timeout(cfg: SupervisorConfig, phase: str, medians: Iterable[float]) -> PhaseTimeout:
     """The timeout of `phase`, given the ranks' median durations of it (the slowest rank's counts)."""
-    if phase == "setup":
+    if phase == SETUP:
         return PhaseTimeout(cfg.setup_timeout_s, f"supervisor.setup_timeout_s={cfg.setup_timeout_s:g}")
     # validation (every eval.interval_steps) and compilation (train.compile's first step, minutes
     # on a loaded CPU) are long and rare like a save: the same floor
-    long = phase in ("checkpoint", "eval", "compile")
+    long = phase in LONG
     floor = cfg.checkpoint_timeout_s if long else cfg.timeout_floor_s
     floor_name = "checkpoint_timeout_s" if long else "timeout_floor_s"
     median = max(medians, default=None)

@@ -20,7 +20,7 @@ from torch import nn
 
 from mshpc.batch import Batch
 from mshpc.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from mshpc.diagnose.timers import BACKWARD, FORWARD, phase
+from mshpc.diagnose.timers import phase
 from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn, parallelize
@@ -28,6 +28,7 @@ from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.schedules import LINKS, Action, Op, PipeShape, build_plan, link
 from mshpc.parallel.update import clipped_update
 from mshpc.parallel.zero import ZeroEngine
+from mshpc.phases import BACKWARD, FORWARD
 
 TIED = ("tok_embeddings.weight", "lm_head.weight")  # the first stage's and the last stage's names
 

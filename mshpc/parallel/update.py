@@ -8,9 +8,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from mshpc.diagnose.timers import OPTIMIZER, phase
+from mshpc.diagnose.timers import phase
 from mshpc.parallel import comm
 from mshpc.parallel.zero import ZeroEngine
+from mshpc.phases import OPTIMIZER
 
 
 def clipped_update(engine: ZeroEngine, loss_sum: torch.Tensor, *, grad_clip: float,

@@ -69,10 +69,11 @@ def _evaluate_checkpoint(rank: int, world: int, layouts: list[list[str]]) -> lis
     from mshpc.data.prepare import val_dataset_path
     from mshpc.data.shards import TokenDataset
     from mshpc.evaluate import build_evaluator
+    from mshpc.launch.runtime import Runtime
     from mshpc.mesh_shape import MeshShape
     from mshpc.optim.schedule import build_scheduler
     from mshpc.parallel.mesh import build_mesh
-    from mshpc.train import Runtime, build_model_step
+    from mshpc.train import build_model_step
 
     out = []
     for overrides in layouts:

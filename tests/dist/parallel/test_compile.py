@@ -32,10 +32,11 @@ from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
 from mshpc.data.window_reader import WindowReader
 from mshpc.evaluate import build_evaluator
+from mshpc.launch.runtime import Runtime
 from mshpc.mesh_shape import MeshShape
 from mshpc.parallel.compile_blocks import compile_seconds
 from mshpc.parallel.mesh import build_mesh
-from mshpc.train import Runtime, build_model_step
+from mshpc.train import build_model_step
 
 # the smallest shape with the parts that matter: rmsnorm, parallel block, rope, 2 heads per tp
 # rank, 2 layers per pipeline stage; the byte tokenizer's vocabulary

@@ -1,5 +1,6 @@
 """The requeue guards and the signal watcher, in one process (the real cycle is in tests/slurm)."""
 
+import logging
 import os
 import signal
 
@@ -8,14 +9,23 @@ import torch.distributed as dist
 
 from mshpc import cli
 from mshpc.config import SlurmConfig
+from mshpc.errors import USER_ERROR_EXIT
 from mshpc.launch import requeue as rq
 from mshpc.launch.env import read_launch_env
 
 SRUN = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
 
 
-def test_do_not_requeue_is_the_cli_user_error_code():
-    assert rq.DO_NOT_REQUEUE_EXIT == cli.USER_ERROR_EXIT
+def test_the_clis_user_error_code_is_not_requeued(tmp_path, caplog):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layers: 2\n")
+    code = cli.main(["train", str(bad)])
+    assert code == USER_ERROR_EXIT
+    with caplog.at_level(logging.INFO, logger="mshpc.launch.requeue"):
+        rq.after_exit(code, read_launch_env({"SLURM_JOB_ID": "77"}), slurm=SlurmConfig(), run_dir=tmp_path / "run",
+                      checkpoints=tmp_path / "run" / "checkpoints")
+    assert f"not requeued: exit code {code} is a user error" in caplog.text
+    assert not (tmp_path / "run" / rq.STATE_FILE).exists()  # no requeue was tried
 
 
 def test_array_tasks_are_requeued_by_array_id_and_task():
@@ -43,7 +53,7 @@ def test_finished_marker_names_the_job(tmp_path):
 def test_guard_check_rejects_a_bad_config_with_the_do_not_requeue_code(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  n_layers: 2\n")
-    assert rq.main(["check", str(bad)]) == rq.DO_NOT_REQUEUE_EXIT
+    assert rq.main(["check", str(bad)]) == USER_ERROR_EXIT
     assert "ConfigError: unknown config key 'model.n_layers'" in capsys.readouterr().err
 
 

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from support.cli_runner import REPO
 
 from mshpc.config import load_config, resolve_world, validate
 from mshpc.errors import ConfigError
@@ -20,7 +21,6 @@ from mshpc.plan.devices import DEVICES
 from mshpc.plan.layout import Layout
 from mshpc.plan.memory import GIB
 from mshpc.plan.report import plan
-from support.cli_runner import REPO
 
 TINY = REPO / "configs/tiny.yaml"
 M125 = REPO / "configs/gpt-125m.yaml"
@@ -160,7 +160,7 @@ def test_manual_is_the_default_and_auto_is_a_choice():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_auto_on_a_missing_gpu_is_the_runtimes_one_line():
     from mshpc.config import TrainConfig
-    from mshpc.train import uses_cuda
+    from mshpc.launch.runtime import uses_cuda
 
     # fit_to_world asks before building the runtime: the same error, not set_device's traceback
     with pytest.raises(ConfigError, match="train.device='cuda' but no CUDA device is visible"):
