@@ -55,8 +55,9 @@ def build_dp_group(p: ParallelConfig, world: dist.ProcessGroup) -> dist.ProcessG
 
 
 class TrainCheckpointer:
-    """Collective over the world: every rank calls `resume`, `save` (on the steps `schedule` names) and `close` alike.
-    Checkpoints go under `root`, events to `run_dir`; `config_hash` is recorded with each."""
+    """Collective over the world: every rank calls `resume`, `save` (on the steps `schedule`
+    names) and `close` alike. Checkpoints go under `root`, events to `run_dir`; `config_hash` is
+    recorded with each."""
 
     def __init__(self, root: Path, rank: int, engine: ZeroEngine, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  *, run_dir: Path, config_hash: str, checkpoint: CheckpointConfig, parallel: ParallelConfig,
