@@ -342,27 +342,32 @@ class SupervisorConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """The whole tree, a section per part; each figure the sections give together sits after the
+    last section it reads."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step across all data-parallel ranks."""
+        return global_batch(self.train, self.parallel)
+
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
-
-    @property
-    def world_size(self) -> int:
-        return self.parallel.world_size
-
-    @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step across all data-parallel ranks."""
-        return global_batch(self.train, self.parallel)
 
 
 def global_batch(train: TrainConfig, parallel: ParallelConfig) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from mshpc.cpu_ranks.eager_optimizer import EagerOptimizer
-from mshpc.optim.multi_tensor import init_moments
+from mshpc.optim.multi_tensor import closure_loss, init_moments
 
 
 class Lamb(EagerOptimizer):
@@ -34,10 +34,7 @@ class Lamb(EagerOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's own optimizers' signature
         """Update every parameter that has a gradient; closure, if given, recomputes the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

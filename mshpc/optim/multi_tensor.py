@@ -19,6 +19,15 @@ def init_moments(state: dict[str, Any], p: torch.Tensor) -> None:
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """What torch's optimizers' step(closure) does first: the loss `closure` recomputes, with
+    gradients on (step runs under no_grad); None without one."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def advance_steps(states: list[dict[str, Any]]) -> list[int]:
     """Add one to every tensor's step and return the new counts."""
     steps = [s["step"] for s in states]
@@ -41,10 +50,7 @@ class FusedAdamW(EagerOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # torch's own optimizers' signature
         """Update every tensor that has a gradient; closure, if given, recomputes the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         tensors = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
         if not tensors:
             return loss
