@@ -1,4 +1,6 @@
-"""The train loop: ties launch, data, model, data parallelism, optimizer and metrics together."""
+"""A rank's entry (`train`) and the train loop (`run_training`): the parts built once
+(`build_parts`), then per step the data, `optimizer_step`, `evaluate_if_due`, the save,
+`report_step` and `stop_if_asked` (docs/DESIGN.md, One training step)."""
 
 from __future__ import annotations
 
