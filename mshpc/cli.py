@@ -389,12 +389,17 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from mshpc.config import load_config
     from mshpc.plan.devices import device_spec
-    from mshpc.plan.report import format_json, format_table, plan
+    from mshpc.plan.report import describe_model, format_json, format_table, plan
 
     cfg = load_config(args.config, args.set)
     dev = device_spec(args.gpu, args.intra_bw, args.inter_bw, args.efficiency)
     predictions = plan(args.gpus, dev, args.gpus_per_node, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train)
-    print(format_json(predictions) if args.json else format_table(predictions, dev, args.top))
+    if args.json:
+        print(format_json(predictions))
+    else:
+        if cfg.model.moe is not None:  # total and active parameters, FLOPs of the routed experts met
+            print(describe_model(cfg.model))
+        print(format_table(predictions, dev, args.top))
     return 0
 
 

@@ -124,8 +124,11 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> int:
-        """How many layers are mixtures of experts."""
-        return sum(self.is_moe_layer(i) for i in range(self.n_layer))
+        """How many layers are mixtures of experts: the multiples of every in [first_dense_layers, n_layer)."""
+        if self.moe is None:
+            return 0
+        every, first = self.moe.every, min(self.moe.first_dense_layers, self.n_layer)
+        return -(-self.n_layer // every) - -(-first // every)
 
 
 @dataclass(frozen=True)

@@ -69,12 +69,19 @@ def layer_matrix_params(m: ModelConfig, i: int, active: bool = False) -> int:
     return block_matrix_params(m) - dense_mlp + moe_matrix_params(m, active)
 
 
+def model_matrix_params(m: ModelConfig, active: bool = False) -> int:
+    """Every layer's matrices (layer_matrix_params summed): dense layers and MoE layers by count."""
+    moe = m.moe_layers
+    dense = (m.n_layer - moe) * block_matrix_params(m)
+    return dense + (moe * layer_matrix_params(m, m.moe.first_dense_layers, active) if m.moe is not None and moe else 0)
+
+
 def flops_per_token(m: ModelConfig) -> float:
     """Training FLOPs (forward + backward) per token; Narayanan et al. 2021 Eq. in Sec. 5.1. In
     a mixture of experts a token meets only its top_k experts (and the shared ones, and the
     router): only those count (Megatron-Core's num_floating_point_operations does the same)."""
     h, s = m.d_model, attention_context(m)
-    gemm = 2 * sum(layer_matrix_params(m, i, active=True) for i in range(m.n_layer))
+    gemm = 2 * model_matrix_params(m, active=True)
     attention = 4 * s * m.n_head * m.head_size * m.n_layer  # 4 s h, with h the heads' total width
     logits = 2 * h * m.vocab_size
     return 3.0 * (gemm + attention + logits)

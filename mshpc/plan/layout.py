@@ -1,5 +1,6 @@
 """The layouts the planner weighs: every (dp, tp, pp, virtual stages, micro-batch, activation
-checkpointing) that the engine accepts for a model, a GPU count and a global batch.
+checkpointing, and for a mixture of experts ep) that the engine accepts for a model, a GPU count
+and a global batch.
 
 The global batch (sequences per optimizer step) stays fixed across layouts, as Megatron-LM's
 `--global-batch-size` does: it is the config's train.micro_batch * train.grad_accum *
@@ -28,6 +29,7 @@ class Layout:
     micro_batch: int
     n_micro: int  # micro-batches per step per pipeline (train.grad_accum)
     checkpointing: Checkpointing
+    ep: int = 1  # expert parallelism, carved out of dp (a mixture of experts only)
 
     @property
     def gpus(self) -> int:
@@ -46,9 +48,18 @@ def _virtual_stages(n_layer: int, pp: int, n_micro: int) -> list[int]:
     return [v for v in _divisors(n_layer // pp)]
 
 
+def expert_parallel_sizes(m: ModelConfig, dp: int) -> list[int]:
+    """The ep a layout of `dp` may take: 1 for a dense model, else every divisor of dp that
+    divides the experts (Megatron-Core's rule, ep carved out of dp)."""
+    if m.moe is None:
+        return [1]
+    return [e for e in _divisors(dp) if m.moe.n_experts % e == 0]
+
+
 def enumerate_layouts(gpus: int, gpus_per_node: int, *, model_cfg: ModelConfig, global_batch: int) -> list[Layout]:
     """Every valid layout of `gpus` GPUs: tp divides n_head and stays within a node (its
-    collectives need NVLink), pp * v divides n_layer, dp * micro_batch divides the global batch."""
+    collectives need NVLink), pp * v divides n_layer, dp * micro_batch divides the global batch;
+    a mixture of experts also every ep of `expert_parallel_sizes`."""
     if gpus < 1 or gpus_per_node < 1:
         raise ConfigError(f"--gpus={gpus} and --gpus-per-node={gpus_per_node} must be >= 1")
     m, batch = model_cfg, global_batch
@@ -59,7 +70,8 @@ def enumerate_layouts(gpus: int, gpus_per_node: int, *, model_cfg: ModelConfig, 
             for mb in (b for b in MICRO_BATCHES if batch % (dp * b) == 0):
                 n_micro = batch // (dp * mb)
                 for v in _virtual_stages(m.n_layer, pp, n_micro):
-                    layouts += [Layout(dp, tp, pp, v, mb, n_micro, ac) for ac in CHECKPOINTING]
+                    layouts += [Layout(dp, tp, pp, v, mb, n_micro, ac, ep) for ac in CHECKPOINTING
+                                for ep in expert_parallel_sizes(m, dp)]
     if not layouts:
         raise ConfigError(
             f"no layout of {gpus} GPUs divides the global batch of {batch} sequences "
@@ -71,4 +83,4 @@ def enumerate_layouts(gpus: int, gpus_per_node: int, *, model_cfg: ModelConfig, 
 def layout_of(parallel: ParallelConfig, train: TrainConfig) -> Layout:
     """The layout a config trains with as written."""
     p, t = parallel, train
-    return Layout(p.dp, p.tp, p.pp, p.virtual_stages, t.micro_batch, t.grad_accum, p.activation_checkpointing)
+    return Layout(p.dp, p.tp, p.pp, p.virtual_stages, t.micro_batch, t.grad_accum, p.activation_checkpointing, p.ep)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from mshpc.config import ModelConfig
 from mshpc.diagnose.mfu import block_matrix_params
 from mshpc.plan.layout import Layout
+from mshpc.plan.moe_plan import local_expert_params, moe_mlp_terms
 
 GIB = 2**30
 # mshpc's ZeRO-2 engine per parameter: fp32 weights (autocast computes in bf16) and fp32
@@ -63,11 +64,30 @@ def layer_params(m: ModelConfig, tp: int = 1) -> float:
     return (block_matrix_params(m) - kv) / tp + kv_per_rank + _norm_params(m) * (1 if m.parallel_block else 2) + qk_norms
 
 
+def stage_expert_params(m: ModelConfig, layout: Layout) -> float:
+    """The routed experts' weights one GPU of a stage holds (n_experts / ep per MoE layer), the
+    stage's even share of the MoE layers; their ZeRO state is sharded over dp / ep ranks."""
+    return local_expert_params(m, layout.ep) * m.moe_layers / layout.pp
+
+
+def _layers_params(m: ModelConfig, layout: Layout) -> float:
+    """One GPU's share of a stage's layers: dense blocks (layer_params) and MoE blocks, whose MLP
+    is a router, shared experts (whole on every tp rank, as the experts) and the local experts."""
+    dense = layer_params(dataclasses.replace(m, moe=None), layout.tp)
+    if m.moe is None:
+        return dense * m.n_layer / layout.pp
+    h = m.d_model
+    mlp = (3 if m.mlp == "swiglu" else 2) * h * m.ffn_width / layout.tp
+    rest = m.moe.n_experts * h + 3 * h * m.shared_ffn + (h if m.moe.shared_expert_gate else 0)
+    dense_layers = m.n_layer - m.moe_layers
+    return (dense * dense_layers + (dense - mlp + rest) * m.moe_layers) / layout.pp + stage_expert_params(m, layout)
+
+
 def stage_params(m: ModelConfig, layout: Layout, stage: int) -> float:
     """Parameters one GPU of pipeline `stage` holds: its layers, the (vocab-parallel)
     embedding on the first stage, the final norm and lm head on the last. A tied lm head is
     the embedding itself at pp = 1 and a synchronised copy on the last stage otherwise."""
-    n = layer_params(m, layout.tp) * m.n_layer / layout.pp
+    n = _layers_params(m, layout)
     table = m.vocab_size * m.d_model / layout.tp
     last = stage == layout.pp - 1
     if stage == 0:
@@ -138,8 +158,15 @@ def kv_heads_per_token_share(m: ModelConfig, tp: int) -> float:
 def layer_activation_bytes(m: ModelConfig, layout: Layout, flash: bool = True, documents: bool = False,
                            window_kernel: bool = True, act_bytes: int = ACT_BYTES) -> float:
     """Bytes one block saves for one micro-batch on one tp rank: the sum of
-    `layer_activation_terms` (the same arguments)."""
-    return sum(layer_activation_terms(m, layout, flash, documents, window_kernel, act_bytes).values())
+    `layer_activation_terms` (the same arguments); in a mixture of experts, the mean over its
+    layers, an MoE layer's MLP terms being moe_plan.moe_mlp_terms."""
+    terms = layer_activation_terms(m, layout, flash, documents, window_kernel, act_bytes)
+    total = sum(terms.values())
+    if m.moe is None:
+        return total
+    tokens = m.seq_len * layout.micro_batch / layout.tp
+    moe_mlp = sum(moe_mlp_terms(m, layout, act_bytes).values()) * tokens
+    return total + m.moe_layers / m.n_layer * (moe_mlp - terms["fc_output"] - terms["activation_output"])
 
 
 def layer_input_bytes(m: ModelConfig, layout: Layout) -> float:
@@ -183,10 +210,10 @@ def memory(m: ModelConfig, layout: Layout, flash: bool = True, schedule: str = "
     bf16 autocast, 4 in fp32 (CPU ranks' default)."""
     best = None
     for stage in sorted({0, layout.pp - 1}):
-        params = stage_params(m, layout, stage)
+        params, experts = stage_params(m, layout, stage), stage_expert_params(m, layout)
         candidate = Memory(
             weights=params * WEIGHT_BYTES, grads=params * GRAD_BYTES,
-            optimizer=params * SHARDED_STATE_BYTES / layout.dp,
+            optimizer=((params - experts) / layout.dp + experts / (layout.dp // layout.ep)) * SHARDED_STATE_BYTES,
             activations=stage_activation_bytes(m, layout, stage, flash, schedule, act_bytes), stage=stage,
         )
         if best is None or candidate.total > best.total:

@@ -7,9 +7,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from mshpc.config import ModelConfig, ParallelConfig, TrainConfig, global_batch
+from mshpc.diagnose.mfu import flops_per_token
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout, enumerate_layouts, layout_of
 from mshpc.plan.memory import GIB, Memory, memory
+from mshpc.plan.moe_plan import model_params
 from mshpc.plan.steptime import StepTime, step_time
 
 
@@ -49,13 +51,17 @@ def plan(gpus: int, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConf
 
 
 def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> str:
-    head = f"{'dp':>5} {'tp':>3} {'pp':>3} {'v':>3} {'mb':>3} {'m':>5} {'recompute':>9} " \
+    """The `top` predictions as a table; an ep column where some layout has expert parallelism."""
+    experts = any(p.layout.ep > 1 for p in predictions)
+    ep_head = f"{'ep':>4} " if experts else ""
+    head = f"{'dp':>5} {'tp':>3} {'pp':>3} {ep_head}{'v':>3} {'mb':>3} {'m':>5} {'recompute':>9} " \
            f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'MFU':>6} {'bubble':>6}"
     lines = [head]
     for p in predictions[:top]:
         lay = p.layout
+        ep = f"{lay.ep:>4} " if experts else ""
         lines.append(
-            f"{lay.dp:>5} {lay.tp:>3} {lay.pp:>3} {lay.virtual_stages:>3} {lay.micro_batch:>3} "
+            f"{lay.dp:>5} {lay.tp:>3} {lay.pp:>3} {ep}{lay.virtual_stages:>3} {lay.micro_batch:>3} "
             f"{lay.n_micro:>5} {lay.checkpointing:>9} {p.memory.total / GIB:>8.1f} "
             f"{'yes' if p.fits else 'no':>4} {p.time.total_s:>8.3f} {p.time.mfu:>6.1%} "
             f"{p.time.bubble_fraction:>6.1%}"
@@ -64,6 +70,17 @@ def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> st
     lines.append(f"{len(predictions)} layouts, {fitting} fit in {dev.memory_gib:g} GiB ({dev.name}); "
                  f"showing {min(top, len(predictions))}")
     return "\n".join(lines)
+
+
+def describe_model(m: ModelConfig) -> str:
+    """One line: the model's parameters (and, for a mixture of experts, those one token meets)
+    and its training FLOPs per token (the routed experts a token meets only)."""
+    total = model_params(m)
+    active = f", {model_params(m, active=True) / 1e9:.2f}B active per token" if m.moe is not None else ""
+    experts = (f" ({m.moe.n_experts} experts, top {m.moe.top_k}, in {m.moe_layers} of {m.n_layer} layers)"
+               if m.moe is not None else "")
+    return (f"model: {total / 1e9:.2f}B parameters{active}{experts}; "
+            f"{flops_per_token(m) / 1e9:.1f} GFLOP per token (forward + backward)")
 
 
 def format_json(predictions: list[Prediction]) -> str:

@@ -22,7 +22,8 @@ from mshpc.diagnose.mfu import attention_context, flops_per_token
 from mshpc.parallel.parallel_block import fusable
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout
-from mshpc.plan.memory import GRAD_BYTES, WEIGHT_BYTES, stage_params
+from mshpc.plan.memory import GRAD_BYTES, WEIGHT_BYTES, stage_expert_params, stage_params
+from mshpc.plan.moe_plan import ep_exposed_s, ep_link_gbps, expert_fraction
 
 # Optimizer step bytes per sharded parameter: read master, grad and two moments, write three.
 OPTIMIZER_BYTES = 7 * 4
@@ -37,12 +38,13 @@ class StepTime:
     tp_s: float  # exposed tensor/sequence-parallel communication
     pp_s: float  # exposed pipeline send/recv
     dp_s: float  # exposed ZeRO reduce-scatter + all-gather
+    ep_s: float  # exposed all-to-all of a mixture of experts' dispatch and combine
     optimizer_s: float
     mfu: float
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.bubble_s + self.tp_s + self.pp_s + self.dp_s + self.optimizer_s
+        return self.compute_s + self.bubble_s + self.tp_s + self.pp_s + self.dp_s + self.ep_s + self.optimizer_s
 
     @property
     def bubble_fraction(self) -> float:
@@ -116,11 +118,13 @@ def _dp_link_gbps(layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> float:
 
 def dp_exposed_s(m: ModelConfig, parallel: ParallelConfig, layout: Layout, dev: DeviceSpec, gpus_per_node: int,
                  mb_s: float) -> float:
-    """ZeRO-2 per step: reduce-scatter of the fp32 gradients, all-gather of the weights."""
-    params = max(stage_params(m, layout, s) for s in {0, layout.pp - 1})
-    gbps, n = _dp_link_gbps(layout, dev, gpus_per_node), layout.dp
-    rs = _collective_s(params * GRAD_BYTES, n, (n - 1) / n, gbps)
-    ag = _collective_s(params * WEIGHT_BYTES, n, (n - 1) / n, gbps)
+    """ZeRO-2 per step: reduce-scatter of the fp32 gradients, all-gather of the weights; the
+    routed experts' over their dp / ep ranks, the rest over dp."""
+    experts = stage_expert_params(m, layout)
+    params = max(stage_params(m, layout, s) for s in {0, layout.pp - 1}) - experts
+    gbps, n, e = _dp_link_gbps(layout, dev, gpus_per_node), layout.dp, layout.dp // layout.ep
+    rs = _collective_s(params * GRAD_BYTES, n, (n - 1) / n, gbps) + _collective_s(experts * GRAD_BYTES, e, (e - 1) / e, gbps)
+    ag = _collective_s(params * WEIGHT_BYTES, n, (n - 1) / n, gbps) + _collective_s(experts * WEIGHT_BYTES, e, (e - 1) / e, gbps)
     if not parallel.dp_overlap:
         return rs + ag
     return max(0.0, rs - mb_s * 2 / 3) + max(0.0, ag - mb_s / 3)
@@ -137,20 +141,31 @@ def pp_exposed_s(m: ModelConfig, layout: Layout, dev: DeviceSpec, gpus_per_node:
     return 2 * (layout.pp * layout.virtual_stages - 1) * _collective_s(nbytes, 2, 1.0, gbps)
 
 
+def sharded_params(m: ModelConfig, layout: Layout, params: float) -> float:
+    """The master parameters one GPU updates: 1/dp of `params`, the routed experts' 1/(dp / ep)."""
+    experts = stage_expert_params(m, layout)
+    return (params - experts) / layout.dp + experts / (layout.dp // layout.ep)
+
+
 def step_time(layout: Layout, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig,
               parallel: ParallelConfig) -> StepTime:
     """One optimizer step of `model_cfg` at `layout`, by part; `parallel`: the overlap settings."""
     m = model_cfg
     compute = stage_compute_s(m, layout, dev)
-    mb_s = compute + tp_exposed_s(m, parallel, layout, dev, compute)
+    tp_s = tp_exposed_s(m, parallel, layout, dev, compute)
+    ep_link = ep_link_gbps(layout, dev.intra_gbps, dev.inter_gbps, gpus_per_node)
+    ep_s = ep_exposed_s(m, layout, ep_link, dev.act_bytes, parallel.ep_overlap_chunks if parallel.ep_overlap else 1,
+                        compute * expert_fraction(m))
+    mb_s = compute + tp_s + ep_s
     params = max(stage_params(m, layout, s) for s in {0, layout.pp - 1})
     parts = dict(
         compute_s=layout.n_micro * compute,
         bubble_s=(layout.pp - 1) / layout.virtual_stages * mb_s,
-        tp_s=layout.n_micro * (mb_s - compute),
+        tp_s=layout.n_micro * tp_s,
         pp_s=pp_exposed_s(m, layout, dev, gpus_per_node),
         dp_s=dp_exposed_s(m, parallel, layout, dev, gpus_per_node, mb_s),
-        optimizer_s=params / layout.dp * OPTIMIZER_BYTES / (dev.hbm_gbps * 1e9),
+        ep_s=layout.n_micro * ep_s,
+        optimizer_s=sharded_params(m, layout, params) * OPTIMIZER_BYTES / (dev.hbm_gbps * 1e9),
     )
     total = sum(parts.values())
     sequences = layout.dp * layout.micro_batch * layout.n_micro  # the global batch
