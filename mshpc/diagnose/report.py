@@ -13,6 +13,7 @@ import numpy as np
 from mshpc.diagnose import plots
 from mshpc.diagnose.analysis import Analysis, RankSummary, analyse, mfu_trend
 from mshpc.diagnose.by_node import by_host, slowest_first
+from mshpc.diagnose.expert_plots import expert_layers, expert_load, expert_summary
 from mshpc.diagnose.timers import CATEGORIES
 
 REPORT_DIR = "report"
@@ -164,6 +165,8 @@ def write_report(run_dir: Path) -> tuple[Path, list[str]]:
     out = run_dir / REPORT_DIR
     out.mkdir(exist_ok=True)
     images = {"Loss (training and validation) and MFU": plots.loss_and_mfu(a, out / "loss_mfu.png").name}
+    if expert_layers(a.metrics):
+        images["Expert load over steps (mixture of experts)"] = expert_load(a.metrics, out / "experts.png").name
     if a.timings is not None:
         images.update({
             "Compute time per rank (stragglers are bright rows)": plots.compute_heatmap(a, out / "heatmap.png").name,
@@ -172,4 +175,5 @@ def write_report(run_dir: Path) -> tuple[Path, list[str]]:
         })
     index = out / "index.html"
     index.write_text(render_html(a, images))
-    return index, summary_lines(a)
+    experts = expert_summary(a.metrics)
+    return index, summary_lines(a) + ([experts] if experts else [])
