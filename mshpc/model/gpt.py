@@ -117,8 +117,16 @@ class Block(nn.Module):
             if torch.is_autocast_enabled(kind):  # one cast copy for both branches' GEMMs to save, not one each
                 h = h.to(torch.get_autocast_dtype(kind))
             return x + self.attn(h, doc_mask, cache) + self.mlp(h)  # both branches read the same normed input
-        h, x = self.ln_2(self.attn(h, doc_mask, cache), residual=x)  # x + attn(.), and its norm, in one pass
+        h, x = self.serial_attention(x, h, doc_mask, cache)
         return x + self.mlp(h)
+
+    def serial_attention(self, x: torch.Tensor, h: torch.Tensor, doc_mask: torch.Tensor | None = None,
+                         cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A serial block's first half, from x and h = ln_1(x): (ln_2 of the residual stream, the
+        stream x + attn(h)), the add and its norm in one pass. Expert parallelism's overlapped
+        block runs it per slice of the micro-batch (parallel/expert_dispatch.py)."""
+        assert self.ln_2 is not None
+        return self.ln_2(self.attn(h, doc_mask, cache), residual=x)
 
 
 class GPT(nn.Module):

@@ -132,17 +132,49 @@ class TokenShards:
         return t
 
 
+class InFlight(Protocol):
+    """Routed tokens on their way: `compute` runs this rank's experts on what has arrived (and
+    the shared experts), `finish` returns the layer's output (T, d), computing first if needed."""
+
+    def compute(self) -> None: ...
+
+    def finish(self) -> torch.Tensor: ...
+
+
 class Dispatch(Protocol):
-    """How the routed tokens reach their experts and come back (local, or all-to-all over ep)."""
+    """How the routed tokens reach their experts and come back (local, or all-to-all over ep):
+    `start` sends them on their way."""
 
-    def __call__(self, x: torch.Tensor, routing: Routing, layer: MoE) -> torch.Tensor: ...
+    def start(self, x: torch.Tensor, routing: Routing, layer: MoE) -> InFlight: ...
 
 
-def local_dispatch(x: torch.Tensor, routing: Routing, layer: MoE) -> torch.Tensor:
+class Computed:
+    """An InFlight whose output is there already."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out = out
+
+    def compute(self) -> None:
+        pass
+
+    def finish(self) -> torch.Tensor:
+        return self.out
+
+
+class LocalDispatch:
     """Every expert on this rank: permute, the experts, unpermute, plus the shared experts."""
-    xp = layer.kernels.moe_permute(x, routing.pos, routing.rows)  # (rows, d) in expert order
-    out = layer.kernels.moe_unpermute(layer.experts(xp, routing.counts), routing.pos, routing.weights)
-    return out if layer.shared is None else out + layer.shared_output(x)
+
+    def start(self, x: torch.Tensor, routing: Routing, layer: MoE) -> InFlight:
+        xp = layer.kernels.moe_permute(x, routing.pos, routing.rows)  # (rows, d) in expert order
+        out = layer.kernels.moe_unpermute(layer.experts(xp, routing.counts), routing.pos, routing.weights)
+        return Computed(out if layer.shared is None else out + layer.shared_output(x))
+
+
+class Started:
+    """A layer's forward between MoE.start and MoE.finish."""
+
+    def __init__(self, flight: InFlight, routing: Routing, shape: torch.Size) -> None:
+        self.flight, self.routing, self.shape = flight, routing, shape
 
 
 class _AuxLossGrad(torch.autograd.Function):
@@ -180,7 +212,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(moe.n_experts, cfg.d_model, cfg.expert_ffn, moe.experts_impl, self.kernels)
         self.shared = shared
         self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if moe.shared_expert_gate else None
-        self.dispatch: Dispatch = local_dispatch
+        self.dispatch: Dispatch = LocalDispatch()
         self.shards = TokenShards()
         self.loss_scale = 1.0  # 1 / micro-batches per step (parallel/apply.py)
         # per step: tokens routed to each expert, then STATS; summed over micro-batches (expert_load.py reads and clears it)
@@ -193,33 +225,43 @@ class MoE(nn.Module):
         return out if self.shared_gate is None else out * torch.sigmoid(self.shared_gate(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])  # (T, d)
-        routing = self.router(tokens)
-        out = self.dispatch(tokens, routing, self)
-        if torch.is_grad_enabled():  # recomputation too: it must save what the forward saved
-            out = self._add_losses(out, routing, tokens.shape[0])
-        return out.view(shape)
+        return self.finish([self.start(x)])[0]
 
-    def _add_losses(self, out: torch.Tensor, routing: Routing, tokens: int) -> torch.Tensor:
+    def start(self, x: torch.Tensor) -> Started:
+        """Route x (..., d) and send its tokens to their experts; `finish` completes the layer
+        (in between, a caller may compute something else while they travel)."""
+        tokens = x.reshape(-1, x.shape[-1])  # (T, d)
+        routing = self.router(tokens)
+        return Started(self.dispatch.start(tokens, routing, self), routing, x.shape)
+
+    def finish(self, started: list[Started]) -> list[torch.Tensor]:
+        """The outputs of slices of one micro-batch `start`ed one after the other; the router's
+        losses are the whole micro-batch's (a slice's share of them uses every slice's counts)."""
+        outs = [s.flight.finish() for s in started]
+        if torch.is_grad_enabled():  # recomputation too: it must save what the forward saved
+            outs[-1] = self._add_losses(outs[-1], [s.routing for s in started])
+        return [out.view(s.shape) for out, s in zip(outs, started, strict=True)]
+
+    def _add_losses(self, out: torch.Tensor, routings: list[Routing]) -> torch.Tensor:
         """Record the step's statistics and hook the weighted losses onto `out`'s gradient."""
-        routed = self.shards.sum(routing.routed.clone())  # every shard's tokens of this micro-batch
-        total = tokens * self.shards.size
+        routed = self.shards.sum(torch.stack([r.routed for r in routings]).sum(0))  # every shard's tokens
+        total = sum(r.pos.shape[0] for r in routings) * self.shards.size
         moe = self.moe
-        aux = aux_loss(routing.scores, routed, total, moe)
-        z = z_loss(routing.logits, total)
+        aux = sum((aux_loss(r.scores, routed, total, moe) for r in routings), torch.zeros((), device=out.device))
+        z = sum((z_loss(r.logits, total) for r in routings), torch.zeros((), device=out.device))
         if not _RECOMPUTING.get():
-            self._record(routing, aux, z)
+            dropped = sum((r.dropped for r in routings), torch.zeros((), dtype=torch.long, device=out.device))
+            self._record(torch.stack([r.routed for r in routings]).sum(0), dropped, aux, z)
         loss = moe.aux_loss_coef * aux + moe.z_loss_coef * z
         if moe.aux_loss_coef == 0 and moe.z_loss_coef == 0:
             return out
         return _AuxLossGrad.apply(out, loss, self.loss_scale)
 
     @torch.no_grad()
-    def _record(self, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
+    def _record(self, routed: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
         """Add this micro-batch to the step's statistics, each a share that sums over the world to
         the step's total (the micro-batch count is split over its token shards)."""
         e = self.moe.n_experts
-        self.stats[:e] += routing.routed
+        self.stats[:e] += routed
         one = torch.ones((), dtype=torch.float64, device=z.device)
-        self.stats[e:] += torch.stack([routing.dropped.double(), aux.double(), z.double(), one / self.shards.size])
+        self.stats[e:] += torch.stack([dropped.double(), aux.double(), z.double(), one / self.shards.size])

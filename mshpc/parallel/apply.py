@@ -61,7 +61,7 @@ def parallelize(model: nn.Module, mesh: Mesh, *, model_cfg: ModelConfig, paralle
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         moe.loss_scale = 1.0 / train.grad_accum  # the router's losses weigh as the model's per micro-batch
         moe.experts.resolve_impl(device.type)
-    experts = apply_ep(model, mesh, parallel)
+    experts = apply_ep(model, mesh, parallel, train.micro_batch)
     apply_activation_checkpointing(model, parallel.activation_checkpointing)
     if train.compile:
         # tp's collectives, and a mixture of experts' host syncs (dispatch sizes), run between graphs

@@ -2,17 +2,19 @@
 rank that holds their experts and come back, by all-to-all with uneven splits (the counts
 exchanged first), over the ep group, through comm.py on gloo and NCCL alike.
 
-Overlap (MegaScale-MoE sec. 4; DeepSeek-V3's dual micro-batch overlap, within one micro-batch
-here): the tokens are cut into `chunks`; every chunk's dispatch is started at once, the shared
-experts compute while they travel, then chunk c's experts compute while chunk c + 1 is still in
-flight and chunk c's combine travels during chunk c + 1's experts. Each exchange is two autograd
-nodes, its start and its wait, so backward (which runs nodes in reverse order of creation) starts
-each gradient's exchange as soon as it exists and waits for it only where it is needed: the
-experts' backward of one chunk runs while another's gradients travel.
+Overlap (MegaScale-MoE sec. 4; DeepSeek-V3's dual micro-batch overlap): a MoE block's micro-batch
+is cut into slices (`overlapped_block`), so that one slice's all-to-alls travel while another's
+attention or experts compute; a micro-batch too small to cut has its tokens cut into chunks
+inside the layer instead, every chunk's dispatch started at once, the shared experts computing
+while they travel, chunk c's experts while chunk c + 1 is in flight. Each exchange is two
+autograd nodes, its start and its wait, so backward (which runs nodes in reverse order of
+creation) starts each gradient's exchange as soon as it exists and waits for it only where it is
+needed: one slice's backward runs while another's gradients travel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,8 +109,9 @@ def chunk_positions(experts: torch.Tensor, kept: torch.Tensor, n_experts: int) -
 
 class AllToAllDispatch:
     """A MoE layer's dispatch (model/moe.py `Dispatch`) under expert parallelism: this rank holds
-    experts [rank * L, (rank + 1) * L) of E, L = E / ep. Collective over the ep group (every ep
-    rank runs every MoE layer of every micro-batch, in the same order)."""
+    experts [rank * L, (rank + 1) * L) of E, L = E / ep. `chunks`: token chunks whose exchanges
+    overlap each other's experts (1 without overlap: each exchange waited on at once). Collective
+    over the ep group (every ep rank runs every MoE layer of every micro-batch, in one order)."""
 
     def __init__(self, group: dist.ProcessGroup, n_experts: int, chunks: int, overlap: bool) -> None:
         self.group = group
@@ -121,7 +124,9 @@ class AllToAllDispatch:
     # the split sizes are read on the host (their counts exchanged first): under train.compile the
     # dispatch runs between the block's graphs, as tp's collectives do
     @torch.compiler.disable
-    def __call__(self, x: torch.Tensor, routing: Routing, layer: MoE) -> torch.Tensor:
+    def start(self, x: torch.Tensor, routing: Routing, layer: MoE) -> _Exchange:
+        """Permute each chunk's tokens into expert order, exchange the counts (one small blocking
+        all-to-all), and start every chunk's dispatch."""
         tokens = x.shape[0]
         bounds = [tokens * c // self.chunks for c in range(self.chunks + 1)]
         parts = [self._positions(routing, lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]
@@ -130,30 +135,17 @@ class AllToAllDispatch:
         received = torch.empty(self.ep, self.chunks, self.local, dtype=sent.dtype, device=sent.device)
         comm.all_to_all(received, sent.transpose(0, 1).contiguous(), self.group)
         from_ranks = received.transpose(0, 1).cpu()  # (chunk, ep rank, local expert): one host sync
-        flights = []
+        flight = _Exchange(self, x, routing, layer, bounds, parts, from_ranks)
         for c, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
             pos, counts, rows = parts[c]
             xp = layer.kernels.moe_permute(x[lo:hi], pos, rows)  # (rows, d) by global expert
             send_rows = counts.view(self.ep, self.local).sum(1).tolist()
-            recv_rows = from_ranks[c].sum(1).tolist()
-            flights.append(start(xp, send_rows, recv_rows, self.group))
-            if not self.overlap:  # each exchange waited on before anything else runs
-                flights[-1] = (finish(*flights[-1]), flights[-1][1])
-        shared = layer.shared_output(x) if layer.shared is not None else None  # while the dispatches travel
-        combines = []
-        for c, (received_rows, flight) in enumerate(flights):
-            got = received_rows if not self.overlap else finish(received_rows, flight)
-            y = self._experts(got, from_ranks[c], layer)
-            combines.append(start(y, flight.recv_rows, flight.send_rows, self.group))
-            if not self.overlap:
-                combines[-1] = (finish(*combines[-1]), combines[-1][1])
-        outs = []
-        for c, (back, flight) in enumerate(combines):
-            y = back if not self.overlap else finish(back, flight)
-            pos, _, _ = parts[c]
-            outs.append(layer.kernels.moe_unpermute(y, pos, routing.weights[bounds[c]:bounds[c + 1]]))
-        out = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return out if shared is None else out + shared
+            flight.dispatches.append(self._exchange(xp, send_rows, from_ranks[c].sum(1).tolist()))
+        return flight
+
+    def _exchange(self, rows: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> tuple[torch.Tensor, _Flight]:
+        out, flight = start(rows, send_rows, recv_rows, self.group)
+        return (finish(out, flight), flight) if not self.overlap else (out, flight)
 
     def _positions(self, routing: Routing, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         if self.chunks == 1:
@@ -161,7 +153,7 @@ class AllToAllDispatch:
         pos = routing.pos[lo:hi]
         return chunk_positions(routing.experts[lo:hi], pos >= 0, self.n_experts)
 
-    def _experts(self, got: torch.Tensor, counts: torch.Tensor, layer: MoE) -> torch.Tensor:
+    def experts(self, got: torch.Tensor, counts: torch.Tensor, layer: MoE) -> torch.Tensor:
         """This rank's experts over the rows received, counts (ep rank, local expert) of them in
         the order [rank 0: expert 0.., rank 1: expert 0..]: sorted by local expert, computed,
         put back in the order received."""
@@ -173,3 +165,66 @@ class AllToAllDispatch:
         sorted_rows = layer.kernels.moe_permute(got, into.view(-1, 1), rows)
         y = layer.experts(sorted_rows, counts.sum(0).to(got.device))
         return layer.kernels.moe_permute(y, order.view(-1, 1), rows)
+
+
+class _Exchange:
+    """One MoE layer's tokens under way (model/moe.py `InFlight`): the chunks' dispatches started;
+    `compute` runs the shared experts (the dispatches are still travelling), then each chunk's
+    experts once it has arrived and starts its combine; `finish` waits for the combines and sums
+    each token's expert outputs."""
+
+    def __init__(self, dispatch: AllToAllDispatch, x: torch.Tensor, routing: Routing, layer: MoE, bounds: list[int],
+                 parts: list[tuple[torch.Tensor, torch.Tensor, int]], from_ranks: torch.Tensor) -> None:
+        self.dispatch, self.x, self.routing, self.layer = dispatch, x, routing, layer
+        self.bounds, self.parts, self.from_ranks = bounds, parts, from_ranks
+        self.dispatches: list[tuple[torch.Tensor, _Flight]] = []
+        self.combines: list[tuple[torch.Tensor, _Flight]] = []
+        self.shared: torch.Tensor | None = None
+
+    @torch.compiler.disable
+    def compute(self) -> None:
+        if self.combines:
+            return
+        d, layer = self.dispatch, self.layer
+        if layer.shared is not None:
+            self.shared = layer.shared_output(self.x)
+        for c, (got, flight) in enumerate(self.dispatches):
+            received = got if not d.overlap else finish(got, flight)
+            y = d.experts(received, self.from_ranks[c], layer)
+            self.combines.append(d._exchange(y, flight.recv_rows, flight.send_rows))
+
+    @torch.compiler.disable
+    def finish(self) -> torch.Tensor:
+        self.compute()
+        outs = []
+        for c, (back, flight) in enumerate(self.combines):
+            y = back if not self.dispatch.overlap else finish(back, flight)
+            lo, hi = self.bounds[c], self.bounds[c + 1]
+            outs.append(self.layer.kernels.moe_unpermute(y, self.parts[c][0], self.routing.weights[lo:hi]))
+        out = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return out if self.shared is None else out + self.shared
+
+
+def overlapped_block(block: Any, slices: int) -> Callable[..., torch.Tensor]:  # Any: a Block, its parts swapped
+    """A MoE block's forward cut into `slices` slices of its micro-batch (DeepSeek-V3's dual
+    micro-batch overlap; MegaScale-MoE sec. 4): slice i + 1's attention runs while slice i's
+    tokens travel to their experts, slice i + 1's dispatch while slice i's experts compute, slice
+    i's combine while slice i + 1's experts compute; backward, in reverse order of creation,
+    interleaves alike. A micro-batch of fewer sequences than slices (an evaluation's last), or
+    decoding, runs the block whole."""
+    whole = block.forward
+
+    def forward(x: torch.Tensor, doc_mask: torch.Tensor | None = None, cache: Any = None) -> torch.Tensor:
+        if cache is not None or x.shape[0] < slices:
+            return whole(x, doc_mask, cache)
+        masks = doc_mask.chunk(slices) if doc_mask is not None else [None] * slices
+        started = []
+        for xi, mask in zip(x.chunk(slices), masks, strict=True):
+            h, xi = block.serial_attention(xi, block.ln_1(xi)[0], mask)
+            started.append((xi, block.mlp.start(h)))
+        for _, s in started:
+            s.flight.compute()
+        outs = block.mlp.finish([s for _, s in started])
+        return torch.cat([xi + out for (xi, _), out in zip(started, outs, strict=True)])
+
+    return forward

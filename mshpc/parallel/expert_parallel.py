@@ -20,7 +20,7 @@ from torch import nn
 from mshpc.config import ParallelConfig
 from mshpc.model.moe import GroupedExperts, MoE, TokenShards
 from mshpc.parallel import comm
-from mshpc.parallel.expert_dispatch import AllToAllDispatch
+from mshpc.parallel.expert_dispatch import AllToAllDispatch, overlapped_block
 from mshpc.parallel.mesh import Mesh
 from mshpc.parallel.zero import ShardDomain
 
@@ -29,15 +29,19 @@ def moe_modules(model: nn.Module) -> Iterator[tuple[str, MoE]]:
     return ((name, m) for name, m in model.named_modules() if isinstance(m, MoE))
 
 
-def apply_ep(model: nn.Module, mesh: Mesh, parallel: ParallelConfig) -> ShardDomain | None:
+def apply_ep(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, micro_batch: int) -> ShardDomain | None:
     """Keep this ep rank's experts of every MoE layer (the whole model was built alike on every
-    rank) and dispatch by all-to-all over the ep group; returns the experts' ZeRO domain (over
-    the edp group, each expert placed by its global index), or None at ep = 1. Collective over
-    nothing: the groups exist (mesh)."""
+    rank) and dispatch by all-to-all over the ep group, overlapped (parallel.ep_overlap) by
+    cutting each MoE block's micro-batch into ep_overlap_chunks slices, or, with fewer
+    sequences than that per micro-batch, each layer's tokens into chunks; returns the experts'
+    ZeRO domain (over the edp group, each expert placed by its global index), or None at ep = 1.
+    Collective over nothing: the groups exist (mesh)."""
     ep = mesh.shape.ep
     if ep == 1:
         return None
     rank = dist.get_rank(mesh.ep)
+    slices = parallel.ep_overlap and micro_batch >= parallel.ep_overlap_chunks > 1
+    blocks = {f"{name}.mlp": block for name, block in model.named_modules() if isinstance(getattr(block, "mlp", None), MoE)}
     names = []
     for name, moe in moe_modules(model):
         experts = moe.experts
@@ -46,7 +50,10 @@ def apply_ep(model: nn.Module, mesh: Mesh, parallel: ParallelConfig) -> ShardDom
         span = slice(rank * local, (rank + 1) * local)
         experts.fc = nn.Parameter(experts.fc.detach()[span].clone())
         experts.proj = nn.Parameter(experts.proj.detach()[span].clone())
-        moe.dispatch = AllToAllDispatch(mesh.ep, moe.moe.n_experts, parallel.ep_overlap_chunks, parallel.ep_overlap)
+        moe.dispatch = AllToAllDispatch(mesh.ep, moe.moe.n_experts, 1 if slices else parallel.ep_overlap_chunks,
+                                        parallel.ep_overlap)
+        if slices:
+            blocks[name].forward = overlapped_block(blocks[name], parallel.ep_overlap_chunks)
         names += [f"{name}.experts.fc", f"{name}.experts.proj"]
     return ShardDomain(frozenset(names), mesh.edp, expert_placement(model))
 

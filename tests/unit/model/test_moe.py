@@ -62,7 +62,7 @@ def test_dropless_sends_every_token_to_exactly_its_top_k_experts():
 
     r = m.router(x)
     m.experts.forward = record  # type: ignore[method-assign]
-    m.dispatch(x, r, m)
+    m.dispatch.start(x, r, m).finish()
     for e in range(MOE.n_experts):
         want = sorted(t for t in range(40) if e in r.experts[t].tolist())
         assert seen[e] == want
@@ -95,7 +95,7 @@ def test_capacity_drops_exactly_the_formulas_count_the_lightest_first(factor):
 def test_layer_equals_the_token_by_token_reference(moe):
     m = layer(experts_impl="loop", **moe)  # float64: _grouped_mm has no float64
     x = torch.randn(30, 16, dtype=torch.float64)
-    torch.testing.assert_close(m.dispatch(x, m.router(x), m), reference(m, x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.dispatch.start(x, m.router(x), m).finish(), reference(m, x), rtol=1e-12, atol=1e-12)
 
 
 def test_grouped_gemm_equals_the_loop_with_gradients():
@@ -134,7 +134,7 @@ def test_router_losses_reach_the_router_gradient_with_their_coefficients():
     tokens = x.reshape(-1, 16)
     r = m.router(tokens)
     extra = 0.3 * aux_loss(r.scores, r.routed, 16, m.moe) + 0.2 * z_loss(r.logits, 16)
-    (m.dispatch(tokens, r, m).square().sum() + extra).backward()
+    (m.dispatch.start(tokens, r, m).finish().square().sum() + extra).backward()
     torch.testing.assert_close(got, m.router.weight.grad, rtol=1e-12, atol=1e-12)
 
 
