@@ -189,8 +189,12 @@ def _recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.
     return contextlib.nullcontext(), recomputing()
 
 
-def _recomputed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    # Non-reentrant: it restores the RNG state for dropout and works with the ZeRO hooks.
+def _recomputed(fn: Callable[..., torch.Tensor], moe: bool = False) -> Callable[..., torch.Tensor]:
+    # Non-reentrant: it restores the RNG state for dropout and works with the ZeRO hooks. Only a
+    # block holding an MoE gets the recompute context: under torch.compile a context_fn must
+    # make TorchDispatchModes, which a dense block then need not.
+    if not moe:
+        return functools.partial(checkpoint, fn, use_reentrant=False)
     return functools.partial(checkpoint, fn, use_reentrant=False, context_fn=_recompute_context)
 
 
@@ -201,7 +205,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     uses (`parallel.activation_checkpointing`)."""
     for block in _blocks(model):
         if mode == "full":
-            block.forward = _recomputed(block.forward)
+            block.forward = _recomputed(block.forward, moe=isinstance(getattr(block, "mlp", None), MoE))
         elif mode == "selective":
             block.attn.attend = _recomputed(block.attn.attend)
 

@@ -36,10 +36,10 @@ def apply_ep(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, micro_batch
     sequences than that per micro-batch, each layer's tokens into chunks; returns the experts'
     ZeRO domain (over the edp group, each expert placed by its global index), or None at ep = 1.
     Collective over nothing: the groups exist (mesh)."""
-    ep = mesh.shape.ep
-    if ep == 1:
+    ep, group = mesh.shape.ep, mesh.ep
+    if group is None:  # ep = 1: no expert groups
         return None
-    rank = dist.get_rank(mesh.ep)
+    rank = dist.get_rank(group)
     slices = parallel.ep_overlap and micro_batch >= parallel.ep_overlap_chunks > 1
     blocks = {f"{name}.mlp": block for name, block in model.named_modules() if isinstance(getattr(block, "mlp", None), MoE)}
     names = []
@@ -50,7 +50,7 @@ def apply_ep(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, micro_batch
         span = slice(rank * local, (rank + 1) * local)
         experts.fc = nn.Parameter(experts.fc.detach()[span].clone())
         experts.proj = nn.Parameter(experts.proj.detach()[span].clone())
-        moe.dispatch = AllToAllDispatch(mesh.ep, moe.moe.n_experts, 1 if slices else parallel.ep_overlap_chunks,
+        moe.dispatch = AllToAllDispatch(group, moe.moe.n_experts, 1 if slices else parallel.ep_overlap_chunks,
                                         parallel.ep_overlap)
         if slices:
             blocks[name].forward = overlapped_block(blocks[name], parallel.ep_overlap_chunks)

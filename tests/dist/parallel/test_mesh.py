@@ -1,5 +1,6 @@
-"""build_mesh on 8 gloo ranks (dp2 x tp2 x pp2): every group holds the ranks it should, and a
-collective over it reaches exactly them."""
+"""build_mesh on 8 gloo ranks (dp2 x tp2 x pp2, ep2): every group holds the ranks it should, and
+a collective over it reaches exactly them. (At ep = 1 no expert group is made: test_store_ops
+counts the groups' addresses.)"""
 
 import torch
 import torch.distributed as dist
@@ -9,7 +10,7 @@ from mshpc.parallel import comm
 from mshpc.parallel.mesh import build_mesh
 from support.rank_runner import run_ranks
 
-SHAPE = MeshShape(pp=2, dp=2, tp=2)
+SHAPE = MeshShape(pp=2, dp=2, tp=2, ep=2)
 
 
 def groups_seen(rank: int, world: int) -> dict:
@@ -40,3 +41,4 @@ def test_dp2_tp2_pp2_groups_hold_the_right_ranks():
     # spot checks against the layout written out by hand: tp innermost, then dp, then pp
     assert results[5]["tp"]["members"] == [4, 5] and results[5]["dp"]["members"] == [5, 7]
     assert results[5]["pp"]["members"] == [1, 5] and results[5]["mp"]["members"] == [0, 1, 4, 5]
+    assert results[5]["ep"]["members"] == [5, 7] and results[5]["edp"]["members"] == [5]
