@@ -85,7 +85,10 @@ def write_shard(out_dir: Path, number: int, tokens: np.ndarray,
 
 
 class ShardWriter:
-    """Cuts a stream of documents (each ending in eos) into shards of `shard_tokens` and indexes them."""
+    """Cuts a stream of documents (each ending in eos) into shards of `shard_tokens` and indexes them.
+
+    It holds one shard's tokens in a buffer allocated once, and each shard's document starts until
+    the shard is written: its memory is that of a shard, whatever the corpus size."""
 
     def __init__(self, out_dir: Path, tokenizer: Tokenizer, shard_tokens: int,
                  tokenizer_dir: str | None = None) -> None:
@@ -97,9 +100,10 @@ class ShardWriter:
         self.dtype = token_dtype(tokenizer.vocab_size)
         self.n_tokens = 0
         self.n_docs = 0
-        self._parts: list[np.ndarray] = []
-        self._doc_starts: list[np.ndarray] = []  # relative to the first buffered token
-        self._buffered = 0
+        # untouched pages of np.empty take no memory, so a small dataset pays only for its tokens
+        self._buffer = np.empty(shard_tokens, dtype=self.dtype)
+        self._filled = 0
+        self._doc_starts: list[np.ndarray] = []  # of the buffered shard, relative to it
         self._shards: list[dict[str, Any]] = []
 
     def add(self, ids: np.ndarray, lengths: np.ndarray) -> None:
@@ -107,32 +111,31 @@ class ShardWriter:
         if not len(lengths):
             return
         assert int(lengths.sum()) == len(ids), (int(lengths.sum()), len(ids))
-        self._doc_starts.append(self._buffered + np.cumsum(lengths) - lengths)
-        self._parts.append(ids.astype(self.dtype, copy=False))
-        self._buffered += len(ids)
+        starts = np.cumsum(lengths) - lengths  # of each document in `ids`
         self.n_tokens += len(ids)
         self.n_docs += len(lengths)
-        if self._buffered >= self.shard_tokens:
-            self._flush(final=False)
+        done = 0
+        while done < len(ids):
+            take = min(len(ids) - done, self.shard_tokens - self._filled)
+            self._buffer[self._filled:self._filled + take] = ids[done:done + take]
+            lo, hi = np.searchsorted(starts, [done, done + take])
+            self._doc_starts.append(starts[lo:hi] - done + self._filled)
+            self._filled += take
+            done += take
+            if self._filled == self.shard_tokens:
+                self._write_shard()
 
-    def _flush(self, final: bool) -> None:
-        stream = np.concatenate(self._parts)
-        starts = np.concatenate(self._doc_starts).astype(np.int64, copy=False)
-        n_out = len(stream) if final else len(stream) // self.shard_tokens * self.shard_tokens
-        for lo in range(0, n_out, self.shard_tokens):
-            hi = min(lo + self.shard_tokens, n_out)
-            docs = starts[(starts >= lo) & (starts < hi)] - lo
-            self._shards.append(write_shard(self.out_dir, len(self._shards), stream[lo:hi], docs))
-        rest = stream[n_out:].copy()  # copy: do not pin the whole concatenated buffer
-        self._parts = [rest] if len(rest) else []
-        self._doc_starts = [starts[starts >= n_out] - n_out]
-        self._buffered = len(rest)
+    def _write_shard(self) -> None:
+        starts = np.concatenate(self._doc_starts) if self._doc_starts else np.empty(0, np.int64)
+        self._shards.append(write_shard(self.out_dir, len(self._shards), self._buffer[:self._filled], starts))
+        self._filled = 0
+        self._doc_starts = []
 
     def finish(self) -> None:
         """Write the last partial shard and index.json."""
         assert self.n_tokens > 0, "an empty dataset is rejected before it is written"
-        if self._buffered:
-            self._flush(final=True)
+        if self._filled:
+            self._write_shard()
         index = {"format": FORMAT, "version": VERSION, "tokenizer": self.tokenizer.name,
                  "vocab_size": self.tokenizer.vocab_size, "eos_id": self.tokenizer.eos_id,
                  "dtype": "uint16" if self.dtype.itemsize == 2 else "uint32",
