@@ -22,7 +22,7 @@ import shutil
 import sysconfig
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,7 @@ from mshpc.config import DataConfig
 from mshpc.data.prepare_progress import PrepareProgress
 from mshpc.data.records import FORMATS, Reading, input_files, read_jobs, total_bytes
 from mshpc.data.shards import INDEX_FILE, ShardWriter, TokenDataset, token_dtype
-from mshpc.data.tokenize_pool import Task, Tokenized, tokenize_all
+from mshpc.data.tokenize_pool import Task, Tokenized, TokenizePool, tokenize_all
 from mshpc.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer
 from mshpc.data.tokenizer_dir import TOKENIZER_DIR, save_tokenizer_dir
 from mshpc.errors import DataError
@@ -68,31 +68,41 @@ def val_path(dataset: Path) -> Path:
 
 @dataclass
 class ValSplit:
-    """Which documents are held out: a `fraction` of them by hash, plus `docs` (the --val inputs,
-    tokenized) whose copies in training are left out."""
+    """Which documents are held out: a `fraction` of them by hash, plus the documents of the --val
+    inputs (`named`, their tokenized stream `held`), whose copies in training are left out."""
 
     fraction: float = 0.0
-    docs: list[Tokenized] = field(default_factory=list)
+    named: str = ""  # the --val inputs, for messages; "" without them
+    held: Iterable[Tokenized] = ()
 
     @property
     def wanted(self) -> bool:
-        return self.fraction > 0 or bool(self.docs)
+        return self.fraction > 0 or bool(self.named)
 
 
-def _shares(digests: np.ndarray) -> np.ndarray:
+def _shares(digests: bytes) -> np.ndarray:
     """Each document's place in [0, 1), from its sha256: uniform, and the same on every machine."""
-    return digests[:, :8].copy().view(">u8")[:, 0] / 2.0**64
+    return np.frombuffer(digests, dtype=">u8").reshape(-1, 4)[:, 0] / 2.0**64
+
+
+def _write_held(split: ValSplit, val: ShardWriter, progress: PrepareProgress) -> np.ndarray:
+    """Write the --val inputs' documents into `val`; their sha256 digests, sorted ("S32"): the only
+    thing kept per document, and only of the held-out inputs."""
+    digests = []
+    for part in split.held:
+        progress.update(len(part.lengths), part.input_bytes)
+        val.add(part.ids, part.lengths)
+        digests.append(np.frombuffer(part.digests, dtype="S32"))
+    if val.n_docs == 0:
+        raise DataError(f"no documents in --val {split.named}")
+    return np.unique(np.concatenate(digests))
 
 
 def _write_split(results: Iterable[Tokenized], train: ShardWriter, val: ShardWriter | None,
                  split: ValSplit, progress: PrepareProgress) -> tuple[int, int]:
-    """Write the held-out documents into `val` and the results into `train` or `val`; returns how
-    many training documents were dropped as copies of a held-out one, and the bad records skipped."""
-    held: set[bytes] = set()
-    for part in split.docs:
-        assert val is not None
-        val.add(part.ids, part.lengths)
-        held.update(part.digests[i:i + 32] for i in range(0, len(part.digests), 32))
+    """Write the held-out inputs into `val`, then the results into `train` or `val`; returns how
+    many training documents were dropped as copies of a held-out input's, and the bad records skipped."""
+    held = _write_held(split, val, progress) if split.named and val is not None else np.empty(0, "S32")
     dropped = skipped = 0
     for part in results:
         progress.update(len(part.lengths), part.input_bytes)
@@ -102,13 +112,9 @@ def _write_split(results: Iterable[Tokenized], train: ShardWriter, val: ShardWri
         if val is None:
             train.add(part.ids, part.lengths)
             continue
-        digests = np.frombuffer(part.digests, dtype=np.uint8).reshape(-1, 32)
-        side = np.where(_shares(digests) < split.fraction, 1, 0)  # 0 train, 1 val, 2 dropped
-        for i, digest in enumerate(map(bytes, digests)):
-            if digest in held:
-                side[i] = 2
-            elif side[i] == 1:
-                held.add(digest)  # a later copy of it must not land in training
+        # 0 train, 1 val (a copy of a held-out document has its hash, so it lands there too), 2 dropped
+        side = np.where(_shares(part.digests) < split.fraction, 1, 0)
+        side[np.isin(np.frombuffer(part.digests, dtype="S32"), held)] = 2
         dropped += int((side == 2).sum())
         for writer, which in ((train, 0), (val, 1)):
             keep = side == which
@@ -192,17 +198,18 @@ def prepare_corpus(inputs: Sequence[Path], out_dir: Path, opts: PrepareOptions =
     out_dir = Path(out_dir)
     _check_options(out_dir, opts)
     tokenizer = build_tokenizer(opts.tokenizer)
-    files = input_files(inputs)
-    task = Task(tokenizer, opts.reading, token_dtype(tokenizer.vocab_size), digests=True)
-    held = list(tokenize_all(read_jobs(input_files(opts.val_inputs), opts.reading), task, 1))
-    if opts.val_inputs and not any(len(h.lengths) for h in held):
-        raise DataError(f"no documents in --val {', '.join(map(str, opts.val_inputs))}")
-    wanted = opts.val_fraction > 0 or bool(held)
-    task = Task(tokenizer, opts.reading, task.dtype, digests=wanted)
+    files, held_files = input_files(inputs), input_files(opts.val_inputs)
+    named = ", ".join(map(str, opts.val_inputs))
+    wanted = opts.val_fraction > 0 or bool(named)
+    task = Task(tokenizer, opts.reading, token_dtype(tokenizer.vocab_size), digests=wanted)
     source = ", ".join(str(p) for p in inputs) or "(no inputs)"
-    progress = PrepareProgress(total_bytes(files), mode=opts.progress)
-    results = tokenize_all(read_jobs(files, opts.reading), task, opts.workers)
-    return _build(results, out_dir, tokenizer, opts.shard_tokens, source, ValSplit(opts.val_fraction, held), progress)
+    progress = PrepareProgress(total_bytes(files) + total_bytes(held_files), mode=opts.progress)
+    # one pool for both: the held-out inputs are tokenized as fast as the corpus, first, so that
+    # their copies in the corpus are known when it streams past
+    with TokenizePool(task, opts.workers) as pool:
+        split = ValSplit(opts.val_fraction, named, pool.map(read_jobs(held_files, opts.reading)))
+        results = pool.map(read_jobs(files, opts.reading))
+        return _build(results, out_dir, tokenizer, opts.shard_tokens, source, split, progress)
 
 
 def _discard(path: Path) -> None:

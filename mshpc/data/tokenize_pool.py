@@ -1,10 +1,12 @@
 """Tokenizing worker processes for `mshpc prepare`: jobs in, tokenized documents out, in order.
 
-At most two jobs per worker are in flight (each about records.BLOCK_BYTES of text), so memory
-stays bounded whatever the corpus size; results come back in job order, and a job's documents
-do not depend on which worker ran it, so the dataset is the same bytes for any worker count.
-Workers are forked after the tokenizer is loaded, each using one core (the tokenizers library's
-own thread pool is turned off in them: the workers are the parallelism).
+At most two jobs per worker are in flight (each about records.BLOCK_BYTES of text), and a
+worker encodes a job in pieces of about ENCODE_CHARS, so memory stays bounded whatever the corpus
+size; results come back in job order, and a job's documents do not depend on which worker ran
+it, so the dataset is the same bytes for any worker count. Workers are forked after the
+tokenizer is loaded, each using one core (the tokenizers library's own thread pool is turned off
+in them: the workers are the parallelism); one pool serves several streams of jobs in turn (the
+held-out inputs, then the corpus).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from mshpc.data.tokenizer import Tokenizer
 from mshpc.errors import DataError
 
 IN_FLIGHT_PER_WORKER = 2
+# Text per call into the tokenizer library: `tokenizers` holds ~70 bytes a token while it encodes
+# (token strings, offsets, masks), ~70 MB for a whole 4 MB job, ~10 MB for a piece of this size.
+ENCODE_CHARS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -87,10 +92,22 @@ def job_texts(job: Job, reading: Reading) -> tuple[list[str], int, str | None]:
     return texts, skipped, first
 
 
+def _encode(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """`tokenizer.encode_batch` of `texts`, in calls of about ENCODE_CHARS characters."""
+    encoded: list[np.ndarray] = []
+    start = size = 0
+    for i, text in enumerate(texts):
+        size += len(text)
+        if size >= ENCODE_CHARS or i == len(texts) - 1:
+            encoded += tokenizer.encode_batch(texts[start:i + 1])
+            start, size = i + 1, 0
+    return encoded
+
+
 def tokenize(job: Job, task: Task) -> Tokenized:
     """The documents of `job`, tokenized: each the tokenizer's ids, then the end-of-document id."""
     texts, skipped, first = job_texts(job, task.reading)
-    encoded = task.tokenizer.encode_batch(texts) if texts else []
+    encoded = _encode(task.tokenizer, texts)
     eos = task.tokenizer.eos_id
     pieces: list[np.ndarray] = []
     for ids in encoded:
@@ -118,24 +135,43 @@ def _run(job: Job) -> Tokenized:
     return tokenize(job, _TASK)
 
 
-def tokenize_all(jobs: Iterable[Job], task: Task, workers: int) -> Iterator[Tokenized]:
-    """`tokenize` of every job, in order, on `workers` processes (1: in this process)."""
-    if workers <= 1:
-        yield from (tokenize(job, task) for job in jobs)
-        return
-    global _TASK
-    _TASK = task
-    pool: Pool = multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker)
-    try:
+class TokenizePool:
+    """`tokenize` on `workers` processes (1: in this process), forked on entering; `map` may be
+    called for one stream of jobs after another."""
+
+    def __init__(self, task: Task, workers: int) -> None:
+        self.task, self.workers = task, workers
+        self._pool: Pool | None = None
+
+    def __enter__(self) -> TokenizePool:
+        global _TASK
+        if self.workers > 1:
+            _TASK = self.task
+            self._pool = multiprocessing.get_context("fork").Pool(self.workers, initializer=_init_worker)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _TASK
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool, _TASK = None, None
+
+    def map(self, jobs: Iterable[Job]) -> Iterator[Tokenized]:
+        """`tokenize` of every job, in order."""
+        if self._pool is None:
+            yield from (tokenize(job, self.task) for job in jobs)
+            return
         pending: collections.deque[AsyncResult[Tokenized]] = collections.deque()
         for job in jobs:
-            pending.append(pool.apply_async(_run, (job,)))
-            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+            pending.append(self._pool.apply_async(_run, (job,)))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * self.workers:
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
-        pool.close()
-    finally:
-        pool.terminate()
-        pool.join()
-        _TASK = None
+
+
+def tokenize_all(jobs: Iterable[Job], task: Task, workers: int) -> Iterator[Tokenized]:
+    """`tokenize` of every job, in order, on `workers` processes (1: in this process)."""
+    with TokenizePool(task, workers) as pool:
+        yield from pool.map(jobs)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mshpc.data import records
+from mshpc.data import records, tokenize_pool
 from mshpc.data.prepare import PrepareOptions, prepare_corpus
 from mshpc.data.prepare_progress import PrepareProgress
 from mshpc.data.records import Reading
@@ -101,16 +102,35 @@ def test_unknown_formats_and_a_missing_column_are_one_line(tmp_path: Path) -> No
 
 def test_output_is_the_same_bytes_for_any_worker_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(records, "BLOCK_BYTES", 256)  # many jobs, so that workers interleave
+    seen = tmp_path / "tokenized-by"  # which process tokenized which input (forked workers append)
+
+    def tokenize(job: records.Job, task: tokenize_pool.Task) -> tokenize_pool.Tokenized:
+        with open(seen, "a") as f:
+            f.write(f"{os.getpid()} {Path(job.where).name}\n")
+        return real_tokenize(job, task)
+
+    real_tokenize = tokenize_pool.tokenize
+    monkeypatch.setattr(tokenize_pool, "tokenize", tokenize)
     rng = np.random.default_rng(0)
     texts = ["".join(rng.choice(list("abc de\n"), size=int(rng.integers(1, 200)))) for _ in range(300)]
     (tmp_path / "c.jsonl").write_bytes(jsonl(texts))
-    made = [prepare_corpus([tmp_path / "c.jsonl"], tmp_path / f"w{n}",
-                           PrepareOptions(workers=n, shard_tokens=1000, val_fraction=0.1)) for n in (1, 2, 3)]
+    copy = max(texts, key=len)
+    held = ["held out, and never in training", copy]
+    (tmp_path / "held.jsonl").write_bytes(jsonl(held * 20))
+    made = []
+    for n in (1, 2, 3):
+        seen.unlink(missing_ok=True)
+        made.append(prepare_corpus([tmp_path / "c.jsonl"], tmp_path / f"w{n}", PrepareOptions(
+            workers=n, shard_tokens=1000, val_fraction=0.1, val_inputs=(tmp_path / "held.jsonl",))))
+        pids = {line.split()[0] for line in seen.read_text().splitlines() if line.endswith(" held.jsonl")}
+        assert pids and (str(os.getpid()) in pids) == (n == 1)  # --val inputs go through the workers too
     files = [sorted(p.relative_to(m) for p in m.rglob("*") if p.is_file()) for m in made]
     assert files[0] == files[1] == files[2]
     for name in files[0]:
         assert (made[0] / name).read_bytes() == (made[1] / name).read_bytes() == (made[2] / name).read_bytes()
-    assert sorted(documents(made[0]) + documents(made[0] / "val")) == sorted(t for t in texts if t)
+    val = documents(made[0] / "val")
+    assert val.count(copy) == 20 and copy not in documents(made[0])  # a held-out text's copy left out of training
+    assert sorted(documents(made[0]) + val) == sorted([t for t in texts if t and t != copy] + held * 20)
 
 
 class Terminal(io.StringIO):
