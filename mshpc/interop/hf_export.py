@@ -94,9 +94,14 @@ def write_hf(out_dir: Path, m: ModelConfig, weights: Weights, tokenizer: Tokeniz
     dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
     tensors = to_hf(arch, m, weights)
     staging = _fresh_dir(out_dir)
-    files = write_safetensors(staging, tensors, max_shard_bytes)
-    eos_id, tokenizer_line = write_tokenizer(tokenizer, staging, m.seq_len)
-    (staging / "config.json").write_text(json.dumps({**hf_config(m, dtype), "eos_token_id": eos_id}, indent=2) + "\n")
+    try:  # the tokenizer first: a converted one that gives other ids stops the export before the weights
+        eos_id, tokenizer_line = write_tokenizer(tokenizer, staging, m.seq_len)
+        files = write_safetensors(staging, tensors, max_shard_bytes)
+        (staging / "config.json").write_text(json.dumps({**hf_config(m, dtype), "eos_token_id": eos_id},
+                                                        indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if out_dir.exists():
         out_dir.rmdir()  # empty, checked by _fresh_dir
     staging.rename(out_dir)

@@ -4,7 +4,9 @@ ids the model was trained on.
 mshpc's byte tokenizer (data/tokenizer.py: byte b is id b, 256 ends a document) is GPT-2's
 byte-level BPE with no merges: every byte its own token, under GPT-2's byte -> printable
 character table, with `<|endoftext|>` added as id 256. A Hugging Face tokenizer (the run keeps its
-files, data/tokenizer_dir.py) is copied with its own tokenizer_config.json.
+files, data/tokenizer_dir.py) is copied with its own tokenizer_config.json. SentencePiece and
+tiktoken tokenizers are converted by transformers' own converters and checked against their
+libraries' ids (interop/hf_tokenizer_convert.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mshpc.data.tokenizer import ByteTokenizer, Tokenizer
+from mshpc.errors import InteropError
 
 BYTE_EOS = "<|endoftext|>"
 
@@ -79,7 +82,38 @@ def write_tokenizer(tokenizer: Tokenizer, out_dir: Path, max_len: int) -> tuple[
         if not own:
             line += "; it has no end-of-text token, so mshpc's extra end-of-document id is unknown to it"
         return (tokenizer.eos_id if own else None), line
-    for name, path in tokenizer.files().items():
-        shutil.copyfile(path, out_dir / name)
-    return tokenizer.eos_id, (f"tokenizer: the run's {tokenizer.kind} file ({', '.join(tokenizer.files())}) copied; "
-                              "transformers has no loader for it as it is: convert it before AutoTokenizer")
+    return _write_converted(tokenizer, out_dir, max_len)
+
+
+def _write_converted(tokenizer: Tokenizer, out_dir: Path, max_len: int) -> tuple[int | None, str]:
+    """A SentencePiece or tiktoken tokenizer as transformers' converter writes it, once AutoTokenizer
+    on `out_dir` gives its ids on every probe; an InteropError naming the first difference otherwise."""
+    from mshpc.interop import hf_tokenizer_convert as convert
+
+    transformers = convert.transformers_module()
+    if tokenizer.kind == "sentencepiece":
+        backend, specials = convert.sentencepiece_backend(tokenizer.files()["tokenizer.model"])
+        converter = "SpmConverter"
+    else:
+        backend, specials = convert.tiktoken_backend(tokenizer.files()["ranks.tiktoken"], tokenizer.eos_id)
+        converter = "TikTokenConverter"
+    backend.save(str(out_dir / "tokenizer.json"))
+    # special-token text stays text, as in the data (see hf_tokenizer_convert's doc)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, **specials,
+              "split_special_tokens": True, "clean_up_tokenization_spaces": False}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    auto = transformers.AutoTokenizer.from_pretrained(out_dir)
+    known = backend.get_vocab_size(with_added_tokens=False)
+    where = f"{tokenizer.kind} tokenizer {tokenizer.name}"
+    diff = convert.first_difference(tokenizer, auto, convert.probe_texts(tokenizer, known))
+    if diff is not None:
+        raise InteropError(f"{where}: transformers' {converter} reads text otherwise {diff}; not exporting a "
+                           "tokenizer that would give other ids than the model trained on")
+    own = auto.eos_token_id == tokenizer.eos_id
+    line = f"tokenizer: the run's {tokenizer.kind} tokenizer by transformers' {converter} (tokenizer.json, same ids)"
+    if not own:
+        line += "; it has no end-of-text token, so mshpc's extra end-of-document id is unknown to it"
+    special = convert.first_difference(tokenizer, auto, convert.special_probes(list(specials.values())))
+    if special is not None:
+        line += f"; text that spells a special token differs {special}"
+    return (tokenizer.eos_id if own else None), line
