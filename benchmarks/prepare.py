@@ -52,15 +52,20 @@ def write_corpus(path: Path, mb: float, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     syllables = np.array(["ka", "to", "ri", "en", "ma", "lo", "ne", "sa", "ti", "ur", "ba", "de", "fi", "go", "hu",
                           "ja", "ke", "li", "mo", "nu", "pa", "qu", "ro", "se", "ta", "vi", "wa", "xe", "yo", "za"])
-    words = np.array(["".join(rng.choice(syllables, size=int(rng.integers(1, 4)))) for _ in range(30_000)])
-    p = 1.0 / np.arange(1, len(words) + 1)
+    words = ["".join(rng.choice(syllables, size=int(rng.integers(1, 4)))) for _ in range(30_000)]
+    cdf = np.cumsum(1.0 / np.arange(1, len(words) + 1))
     target, written = int(mb * 1e6), 0
     with open(path, "w") as f:
-        while written < target:
-            text = " ".join(words[rng.choice(len(words), size=int(rng.integers(50, 1500)), p=p / p.sum())])
-            line = json.dumps({"text": text}) + "\n"
-            f.write(line)
-            written += len(line)
+        while written < target:  # words drawn for 1,000 documents at a time: one at a time is slow
+            sizes = rng.integers(50, 1500, size=1000)
+            drawn = np.searchsorted(cdf, rng.random(int(sizes.sum())) * cdf[-1], side="right").tolist()
+            ends = np.cumsum(sizes).tolist()
+            for n, end in zip(sizes.tolist(), ends, strict=True):
+                line = json.dumps({"text": " ".join(words[i] for i in drawn[end - n:end])}) + "\n"
+                f.write(line)
+                written += len(line)
+                if written >= target:
+                    break
     return path
 
 
