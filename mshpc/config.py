@@ -156,6 +156,16 @@ class ParallelConfig:
     # pipeline schedule: 1f1b (interleaved 1F1B when virtual_stages > 1) or gpipe (all forwards,
     # then all backwards: the baseline, holding every micro-batch's activations)
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    # 2: every dp rank keeps the whole model's parameters and shards masters, optimizer state and
+    # gradients (ZeRO-2); 3: parameters sharded too, each unit of blocks all-gathered just before
+    # its forward and its backward, the next unit's gather overlapping this one's compute, and
+    # freed after use (ZeRO-3 / FSDP; mshpc/parallel/zero3.py)
+    zero_stage: Literal[2, 3] = 2
+    zero3_blocks_per_unit: int = at_least(1, default=1)  # blocks gathered together at stage 3
+    # stage 3: free a unit's gathered parameters after its forward and gather them again for its
+    # backward (FSDP2's knob); false keeps them from forward to backward: 1.0x stage 2's traffic
+    # instead of 1.5x, for the memory of every parameter at the end of forward
+    reshard_after_forward: bool = True
     # manual: dp, tp, pp, virtual_stages, micro_batch, grad_accum and activation_checkpointing as
     # written (dp fitted to the world); auto: `mshpc plan`'s fastest layout that fits the world
     # the job gets, at this config's global batch (mshpc/plan/auto_layout.py)
@@ -716,6 +726,20 @@ def check_layout(*, model: ModelConfig, parallel: ParallelConfig, train: TrainCo
     if p.bucket_mb <= 0:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb} must be > 0 (MiB of fp32 gradients per bucket)")
     _check_ep(m, p)
+    _check_zero_stage(p, m)
+
+
+def _check_zero_stage(p: ParallelConfig, m: ModelConfig) -> None:
+    if p.zero_stage == 2:
+        for key, default in (("zero3_blocks_per_unit", 1), ("reshard_after_forward", True)):
+            if getattr(p, key) != default:
+                raise ConfigError(f"parallel.{key}={getattr(p, key)} applies to ZeRO stage 3 only "
+                                  "(set parallel.zero_stage=3, or leave it unset)")
+        return
+    chunk = m.n_layer // (p.pp * p.virtual_stages)  # a unit never spans two pipeline chunks
+    if p.zero3_blocks_per_unit > chunk:
+        raise ConfigError(f"parallel.zero3_blocks_per_unit={p.zero3_blocks_per_unit} exceeds the {chunk} blocks "
+                          f"of a pipeline chunk (choose 1 to {chunk})")
 
 
 def _check_diagnose(d: DiagnoseConfig) -> None:

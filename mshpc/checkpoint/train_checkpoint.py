@@ -103,10 +103,14 @@ class TrainCheckpointer:
         slices = {**rng_slices(self.rank), **self.engine.state_slices()}
         # The dp-replicated weights (each tp rank its own shards), for inference and inspection,
         # spread over the dp ranks; resume rebuilds the weights from the fp32 masters and only
-        # checks this copy (model_copy.py).
+        # checks this copy (model_copy.py). At ZeRO stage 3 no rank holds a weight whole between
+        # uses: each saves its pieces, cast from its masters (the same tensors, other slices).
         p = self.parallel
-        slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, p.dp,
-                                   expert_placement(self.engine.model), p.ep))
+        if self.engine.units is None:
+            slices.update(model_slices(self.engine.model, self.engine.mp, self.engine.rank, p.dp,
+                                       expert_placement(self.engine.model), p.ep))
+        else:
+            slices.update(self.engine.weight_slices())
         slices.update(buffer_slices(self.engine.model, self.engine.rank == 0 and self.engine.mp.tp_rank == 0))
         blocking = self.saver.save(step, slices, self._extras(step))
         if self.async_save:  # stage 1 overlaps the next forward and backward

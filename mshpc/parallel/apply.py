@@ -40,6 +40,7 @@ from mshpc.parallel.tensor import (
 from mshpc.parallel.tp_split import COLUMNS, GATE_UP_ROWS, ROWS, TpSplit, chunk_bounds, qkv_split
 from mshpc.parallel.vocab_embedding import VocabParallelEmbedding
 from mshpc.parallel.zero import ModelParallel, ShardDomain, ZeroEngine
+from mshpc.parallel.zero3 import block_units
 from mshpc.parallel.zero_build import build_zero_engine
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
@@ -215,11 +216,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 def apply_zero(model: nn.Module, mesh: Mesh, *, parallel: ParallelConfig, optim: OptimConfig, fused_kernels: str,
                compiled: bool, tied: frozenset[str] = frozenset(), domains: tuple[ShardDomain, ...] = ()) -> ZeroEngine:
-    """ZeRO-2 over the dp group; the clipping norm is summed over the model-parallel group too.
-    `tied` names a pipeline stage's copy of a weight the other embedding stage holds too (the
-    tied embedding): its gradient is summed over the mesh's embed group. `fused_kernels`
-    (model.fused_kernels) picks the optimizer's kernel; `compiled` (train.compile) blocks hook once
-    each; `domains`: parameters sharded over a group of their own (an MoE's experts over edp)."""
+    """ZeRO over the dp group (parallel.zero_stage 2, or 3: each group of blocks a unit); the
+    clipping norm is summed over the model-parallel group too. `tied` names a pipeline stage's
+    copy of a weight the other embedding stage holds too (the tied embedding): its gradient is
+    summed over the mesh's embed group. `fused_kernels` (model.fused_kernels) picks the
+    optimizer's kernel; `compiled` (train.compile) blocks hook once each at stage 2; `domains`:
+    parameters sharded over a group of their own (an MoE's experts over edp)."""
     replicated = tp_replicated(model) if mesh.shape.tp > 1 else frozenset()
     copies = tp_copies(model) if mesh.shape.tp > 1 else {}
     mp = ModelParallel(tp=mesh.tp, replicated=replicated, norm=mesh.mp, tied=tied, tied_group=mesh.embed,
@@ -227,4 +229,7 @@ def apply_zero(model: nn.Module, mesh: Mesh, *, parallel: ParallelConfig, optim:
     # the fused multi-tensor optimizer where the kernels built (chosen once per process, logged)
     fused = select_kernels(fused_kernels).fused
     units = tuple(_blocks(model)) if compiled else ()  # compiled: one hook per block
-    return build_zero_engine(model, optim, parallel, mesh.dp, mp, fused=fused, hook_units=units, domains=domains)
+    layers = getattr(model, "layers", None) or {}
+    blocks = block_units([(int(i), b) for i, b in layers.items()], parallel.zero3_blocks_per_unit)
+    return build_zero_engine(model, optim, parallel, mesh.dp, mp, fused=fused, hook_units=units, domains=domains,
+                             blocks=blocks)

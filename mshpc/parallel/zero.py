@@ -39,6 +39,7 @@ from mshpc.cpu_ranks.shared_buckets import HostShared
 from mshpc.parallel import comm
 from mshpc.parallel.buckets import BucketLayout
 from mshpc.parallel.sharded_optim import STATE_KEYS
+from mshpc.parallel.zero3 import UnitGathers, resize
 from mshpc.tensor_slice import SliceReader, TensorSlice
 
 GRAD_DTYPE = torch.float32  # gradients are accumulated and reduced in fp32 whatever the compute dtype
@@ -66,6 +67,9 @@ class Bucket:
     params: torch.Tensor  # (numel,) parameter dtype; the model's parameters are views into it
     grads: torch.Tensor  # (numel,) fp32; each parameter's gradient is copied, then added, into its view
     master: torch.Tensor  # (shard_numel,) fp32: this rank's shard of the parameters
+    # (shard_numel,) fp32, the reduce-scatter's output: at stage 2 this rank's rows of `grads`, in
+    # place; at stage 3 a tensor of its own, since `grads` is freed after the reduce-scatter
+    shard_grad: torch.Tensor
     rank: int  # this rank's index in `group`: its shard is elements [rank * n, (rank + 1) * n)
     group: dist.ProcessGroup | None  # the dp group, or its domain's group (ShardDomain)
     tp_replicated: bool = False  # holds parameters every tp rank has whole (see the module doc)
@@ -74,12 +78,6 @@ class Bucket:
     # grads at shared_index + 1
     shared: HostShared | None = None
     shared_index: int = 0
-
-    @property
-    def shard_grad(self) -> torch.Tensor:
-        """This rank's shard of the gradients: the reduce-scatter's output, in place."""
-        n = self.layout.shard_numel
-        return self.grads[self.rank * n:(self.rank + 1) * n]
 
     def reduce_scatter(self) -> comm.Pending | None:
         """Start summing the gradients over the bucket's group into shard_grad; collective over it."""
@@ -159,13 +157,14 @@ class ZeroEngine:
     """Built by `build_zero_engine` (zero_build.py). Per step, every dp rank calls backward()
     once per micro-batch (sync=True on the last) and then step(); the model's .grad stay None
     (its gradients live in the fp32 buckets), and after step() its parameters are landing,
-    bucket by bucket, as the next forward needs them."""
+    bucket by bucket, as the next forward needs them. At stage 3 (`units`) they land unit by
+    unit instead, each gathered for its forward and backward (zero3.py)."""
 
     def __init__(
         self, model: nn.Module, params: list[nn.Parameter], buckets: list[Bucket],
         bucket_of: list[int], grad_views: list[torch.Tensor], pieces: list[ShardPiece],
         optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None, overlap: bool,
-        mp: ModelParallel,
+        mp: ModelParallel, units: UnitGathers | None = None,
     ) -> None:
         self.model = model
         self.params = params
@@ -177,6 +176,7 @@ class ZeroEngine:
         self.group = group
         self.overlap = overlap
         self.mp = mp
+        self.units = units  # stage 3: the parameters' units, gathered per use
         # some buckets' buffers live in shared memory (zero_build.map_shared_buckets)
         self.shared = any(b.shared is not None for b in buckets)
         self.dp = dist.get_world_size(group)
@@ -187,6 +187,7 @@ class ZeroEngine:
         self._fresh = [True] * len(params)
         self._next_reduce = 0  # reduce-scatters start in bucket order, identical on every rank
         self._reducing: list[comm.Pending | None] = []
+        self._reduced = 0  # reduce-scatters waited for this step (stage 3 frees their buffers)
         self._gathering: dict[int, tuple[comm.Pending | None, torch.Tensor]] = {}
         self._sync = False
         self._before_update: list[Callable[[], None]] = []
@@ -206,6 +207,8 @@ class ZeroEngine:
             loss.backward(grad)
         finally:
             self._sync = False
+        if self.units is not None:
+            self.units.free_all()  # FSDP2's reshard after backward: the next forward gathers again
         if sync if flush is None else flush:
             # without overlap: every bucket; with: those a parameter without a gradient held back
             self._launch_reduces(force=True)
@@ -216,9 +219,7 @@ class ZeroEngine:
         shard and start the all-gathers of the updated parameters. Returns the norm before
         clipping. Collective over the dp group."""
         assert self._next_reduce == len(self.buckets), "step() needs backward(loss, sync=True) first"
-        for work in self._reducing:
-            if work is not None:
-                work.wait()
+        self._finish_reduces(len(self.buckets))
         for b in self.buckets:
             if b.tp_replicated and self.mp.tp_size > 1:  # partial sums over the sequence shards
                 comm.all_reduce(b.shard_grad, group=self.mp.tp)
@@ -239,7 +240,10 @@ class ZeroEngine:
 
     def wait_params(self) -> None:
         """Block until every bucket's all-gather has landed in the model's parameters (local:
-        the collectives were started by step()); forward pre-hooks do this bucket by bucket."""
+        the collectives were started by step()); forward pre-hooks do this bucket by bucket. At
+        stage 3: until the units' gathers in flight have landed."""
+        if self.units is not None:
+            self.units.wait_all()
         self._wait_gathers(tuple(self._gathering))
 
     def before_next_update(self, fn: Callable[[], None]) -> None:
@@ -279,6 +283,13 @@ class ZeroEngine:
             out["optim.step"] = TensorSlice.whole(self.optimizer.state[self.pieces[0].tensor]["step"])
         return out
 
+    def weight_slices(self) -> dict[str, TensorSlice]:
+        """Stage 3's `model/<key>` copy for checkpoints: this rank's pieces of the weights, cast
+        from its masters as the all-gather casts them (stage 2 saves each weight whole instead:
+        checkpoint/state.model_slices)."""
+        dtype = self.params[0].dtype if self.params else torch.float32
+        return {f"model/{p.key}": TensorSlice(p.tensor.to(dtype), p.shape, p.start) for p in self.pieces if p.saved}
+
     @torch.no_grad()
     def load_state_slices(self, read: SliceReader) -> None:
         """Rebuild this rank's shards under the current layout from `read(name, start, numel)`
@@ -308,6 +319,8 @@ class ZeroEngine:
         p, view = self.params[index], self.grad_views[index]
         grad = p.grad
         assert grad is not None  # the hook runs after autograd has accumulated it
+        if self.units is not None:
+            self._allocate_grads(self.buckets[self.bucket_of[index]])
         if self._fresh[index]:
             view.copy_(grad)  # casts a bf16 parameter's gradient to fp32
             self._fresh[index] = False
@@ -329,9 +342,32 @@ class ZeroEngine:
                 # the step's first signal to the peers: every read of their rows for the last
                 # step's gathers must be done before it (cpu_ranks/shared_buckets.py)
                 self.wait_params()
+            if self.units is not None:
+                self._allocate_grads(bucket)  # no parameter of it had a gradient
             self._zero_unused(bucket)
             self._reducing.append(bucket.reduce_scatter())
             self._next_reduce += 1
+            if self.units is not None:  # one reduce-scatter in flight, FSDP2's rule: its input is freed
+                self._finish_reduces(self._next_reduce - 1)
+
+    def _finish_reduces(self, end: int) -> None:
+        """Wait for the reduce-scatters of buckets before `end`; at stage 3 free their buffers."""
+        while self._reduced < min(end, len(self._reducing)):
+            work = self._reducing[self._reduced]
+            if work is not None:
+                work.wait()
+            if self.units is not None:
+                resize(self.buckets[self._reduced].grads, 0)
+            self._reduced += 1
+
+    def _allocate_grads(self, bucket: Bucket) -> None:
+        """Stage 3: the bucket's gradient buffer, from its first gradient of the step until its
+        reduce-scatter is done; padding zeroed (it is summed with the rest)."""
+        grads = bucket.grads
+        if grads.untyped_storage().nbytes() == 0:
+            resize(grads, grads.numel())
+            used = sum(slot.numel for slot in bucket.layout.slots)
+            grads[used:].zero_()
 
     def _zero_unused(self, bucket: Bucket) -> None:
         # a parameter no micro-batch of this step reached (unused, or a frozen branch) would
@@ -347,17 +383,25 @@ class ZeroEngine:
         0, a tied one on the first rank of its tied group."""
         # a piece's grad is its span of the reduced shard, set once when the engine is built
         counted = [_counted(p) for p in self.pieces if p.saved and self.mp.counts_tied(p.name)]
-        norm_sq = torch.stack(torch._foreach_norm(counted)).square().sum() if counted else shards[0].new_zeros(())
+        # summed in fp64, so that how the buckets cut the parameters (stage 2's buckets of
+        # bucket_mb, stage 3's units, any dp) does not change the fp32 norm: same clipping, same bits
+        norms = list(torch._foreach_norm(counted, 2, dtype=torch.float64)) if counted else []
+        norm_sq = torch.stack(norms).square().sum() if norms else shards[0].new_zeros((), dtype=torch.float64)
         comm.all_reduce(norm_sq, group=self.group)
         if self.mp.norm is not None and dist.get_world_size(self.mp.norm) > 1:
             comm.all_reduce(norm_sq, group=self.mp.norm)
-        norm = norm_sq.sqrt()
+        norm = norm_sq.sqrt().float()
         if not math.isinf(max_norm):
             coef = (max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
             torch._foreach_mul_(shards, coef)
         return norm
 
     def _start_gathers(self) -> None:
+        if self.units is not None:  # stage 3: every gathered unit is stale; the first use's comes now
+            self.units.free_all()
+            if self.overlap and self.units.uses:
+                self.units.gather(self.units.uses[0].unit)
+            return
         # Forward order: the last bucket holds the first layers (buckets follow backward).
         for b in reversed(range(len(self.buckets))):
             bucket = self.buckets[b]
@@ -377,6 +421,7 @@ class ZeroEngine:
         self._ready = [0] * len(self.buckets)
         self._next_reduce = 0
         self._reducing = []
+        self._reduced = 0
 
 
 # ---------------------------------------------------------------- building

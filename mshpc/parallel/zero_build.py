@@ -30,6 +30,7 @@ from mshpc.parallel.zero import (
     ShardPiece,
     ZeroEngine,
 )
+from mshpc.parallel.zero3 import UnitGathers, Use, build_units, resize
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -43,43 +44,49 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """Where a bucket goes: its layout and the domain it belongs to (0: the dp group; d: domains[d - 1])."""
+    """Where a bucket goes: its layout, the domain it belongs to (0: the dp group; d:
+    domains[d - 1]) and, at stage 3, its unit (an index into the units in backward order)."""
 
     layout: BucketLayout
     domain: int
+    unit: int = 0
 
 
 def build_layouts(numels: list[int], tp_replicated: list[bool], tied: list[bool], bucket_numel: int,
-                  dps: tuple[int, ...], domain_of: list[int] | None = None) -> list[BucketPlan]:
+                  dps: tuple[int, ...], domain_of: list[int] | None = None,
+                  units: list[list[int]] | None = None) -> list[BucketPlan]:
     """Buckets of the parameters tp ranks split, then buckets of those every tp rank holds whole
     (without tensor parallelism: all of them in the first kind). The second kind comes last:
     their reduce-scatters start in bucket order, and the first layer's norm completes them. A
     tied parameter gets a bucket of its own. Parameter i belongs to domain domain_of[i] (default
     all 0), whose group has dps[d] ranks; a bucket holds one domain's parameters, and within a
-    kind the domains' buckets interleave in backward order (latest-registered parameters first)."""
+    kind the domains' buckets interleave in backward order (latest-registered parameters first).
+    `units` (stage 3; parameter indices, ascending, each unit in backward order): the same, unit
+    by unit, so that no bucket holds two units' parameters."""
     domain_of = domain_of if domain_of is not None else [0] * len(numels)
     plans = []
-    for kind in (False, True):
-        mine = []
-        for d, dp in enumerate(dps):
-            indices = [i for i, rep in enumerate(tp_replicated) if rep == kind and domain_of[i] == d]
-            alone = frozenset(k for k, i in enumerate(indices) if tied[i])
-            for layout in build_buckets([numels[i] for i in indices], bucket_numel, dp, alone):
-                slots = tuple(dataclasses.replace(slot, index=indices[slot.index]) for slot in layout.slots)
-                mine.append(BucketPlan(dataclasses.replace(layout, slots=slots), d))
-        plans += sorted(mine, key=lambda plan: -min(slot.index for slot in plan.layout.slots))  # stable
+    for u, members in enumerate(units if units is not None else [list(range(len(numels)))]):
+        for kind in (False, True):
+            mine = []
+            for d, dp in enumerate(dps):
+                indices = [i for i in members if tp_replicated[i] == kind and domain_of[i] == d]
+                alone = frozenset(k for k, i in enumerate(indices) if tied[i])
+                for layout in build_buckets([numels[i] for i in indices], bucket_numel, dp, alone):
+                    slots = tuple(dataclasses.replace(slot, index=indices[slot.index]) for slot in layout.slots)
+                    mine.append(BucketPlan(dataclasses.replace(layout, slots=slots), d, u))
+            plans += sorted(mine, key=lambda plan: -min(slot.index for slot in plan.layout.slots))  # stable
     return plans
 
 
 def build_bucket_buffers(
     params: list[nn.Parameter], plans: list[BucketPlan], groups: tuple[dist.ProcessGroup | None, ...],
-    tp_replicated: list[bool], tied: list[bool], shared: tuple[HostShared | None, ...],
+    tp_replicated: list[bool], tied: list[bool], shared: tuple[HostShared | None, ...], stage: int = 2,
 ) -> list[Bucket]:
     """Move each parameter into its bucket's flat buffer (the parameter becomes a view), make
     every rank's parameters those of its domain group's first rank, and cut this rank's fp32
     master shard. Collective over each domain's group (a broadcast per bucket). With
     shared[d], domain d's k-th bucket's parameters and gradients are its buffers 2k and 2k + 1
-    (map_shared_buckets' order)."""
+    (map_shared_buckets' order). At `stage` 3 the gradient shard is a tensor of its own."""
     buckets: list[Bucket] = []
     for k, plan in enumerate(plans):
         layout, group, mapped = plan.layout, groups[plan.domain], shared[plan.domain]
@@ -89,7 +96,11 @@ def build_bucket_buffers(
             flat, grads = mapped.local[index], mapped.local[index + 1]  # zeroed when mapped
         else:
             flat = torch.zeros(layout.numel, dtype=p0.dtype, device=p0.device)
-            grads = torch.zeros(layout.numel, dtype=GRAD_DTYPE, device=p0.device)
+            grads = torch.empty(layout.numel, dtype=GRAD_DTYPE, device=p0.device)
+            if stage == 3:  # allocated from a unit's first gradient to its reduce-scatter (zero3.py)
+                resize(grads, 0)
+            else:
+                grads.zero_()
         for slot in layout.slots:
             p = params[slot.index]
             flat[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
@@ -99,9 +110,14 @@ def build_bucket_buffers(
         rank = dist.get_rank(group)
         lo = rank * layout.shard_numel
         master = flat[lo:lo + layout.shard_numel].to(torch.float32, copy=True)
+        if stage == 3:  # the shard is all this rank keeps; the units are gathered per use
+            shard_grad = torch.zeros(layout.shard_numel, dtype=GRAD_DTYPE, device=p0.device)
+            resize(flat, 0)
+        else:
+            shard_grad = grads[lo:lo + layout.shard_numel]
         first = layout.slots[0].index
-        buckets.append(Bucket(layout, flat, grads, master, rank, group, tp_replicated[first], tied[first],
-                              mapped, index))
+        buckets.append(Bucket(layout, flat, grads, master, shard_grad, rank, group, tp_replicated[first],
+                              tied[first], mapped, index))
     return buckets
 
 
@@ -109,7 +125,9 @@ def map_shared_buckets(params: list[nn.Parameter], plans: list[BucketPlan], para
                        group: dist.ProcessGroup | None, domain: int) -> HostShared | None:
     """The buffers of the buckets of `domain` (over `group`) in memory the group's ranks all map
     (cpu_ranks/shared_buckets.py), where that helps and works: CPU ranks (chosen at start-up),
-    more than one rank, all on this host. Collective over `group`."""
+    more than one rank, all on this host, stage 2. Collective over `group`."""
+    if parallel.zero_stage == 3:  # its buffers come and go; a mapped file would hold them all
+        return None
     if not (parallel.dp_shared_memory and active().shared_buckets and dist.get_world_size(group) > 1):
         return None
     specs = [spec for plan in plans if plan.domain == domain
@@ -120,13 +138,19 @@ def map_shared_buckets(params: list[nn.Parameter], plans: list[BucketPlan], para
 
 def build_grad_views(params: list[nn.Parameter], buckets: list[Bucket]) -> list[torch.Tensor]:
     """Each parameter's fp32 gradient inside its bucket, where its hook copies or adds what
-    autograd computed (ZeroEngine._on_grad); .grad itself stays None."""
+    autograd computed (ZeroEngine._on_grad); .grad itself stays None. A view needs the storage
+    it indexes: a freed bucket (stage 3) gets it back while its views are cut, one at a time."""
     views: list[torch.Tensor] = [torch.empty(0)] * len(params)
     for bucket in buckets:
+        freed = bucket.grads.untyped_storage().nbytes() == 0
+        if freed:
+            resize(bucket.grads, bucket.grads.numel())
         for slot in bucket.layout.slots:
             p = params[slot.index]
             views[slot.index] = bucket.grads[slot.offset:slot.offset + slot.numel].view(p.shape)
             p.grad = None
+        if freed:
+            resize(bucket.grads, 0)
     return views
 
 
@@ -173,11 +197,14 @@ def build_piece_groups(
 
 
 def _register_hooks(engine: ZeroEngine, units: tuple[nn.Module, ...]) -> None:
-    """Gradient hooks per parameter; forward pre-hooks that wait for a module's all-gathered
-    weights, per module, or once per unit (a compiled block) for everything inside it: a hook
-    inside a compiled graph would be traced, and its wait on a collective cannot be."""
+    """Gradient hooks per parameter; at stage 2, forward pre-hooks that wait for a module's
+    all-gathered weights, per module, or once per unit (a compiled block) for everything inside
+    it: a hook inside a compiled graph would be traced, and its wait on a collective cannot be.
+    (Stage 3's units hook their modules themselves: zero3.UnitGathers.register.)"""
     for i, p in enumerate(engine.params):
         p.register_post_accumulate_grad_hook(lambda _, i=i: engine._on_grad(i))
+    if engine.units is not None:
+        return
     index_of = {id(p): i for i, p in enumerate(engine.params)}
     unit_ids = {id(u) for u in units}
     inside = {id(m) for u in units for m in u.modules() if m is not u}
@@ -213,13 +240,15 @@ def check_domains(named: list[tuple[str, nn.Parameter]], domains: tuple[ShardDom
 def build_zero_engine(
     model: nn.Module, optim: OptimConfig, parallel: ParallelConfig, group: dist.ProcessGroup | None = None,
     mp: ModelParallel = DP_ONLY, fused: bool = False, hook_units: tuple[nn.Module, ...] = (),
-    domains: tuple[ShardDomain, ...] = (),
+    domains: tuple[ShardDomain, ...] = (), blocks: tuple[tuple[nn.Module, ...], ...] = (),
 ) -> ZeroEngine:
-    """Apply ZeRO-2 data parallelism to `model` (already on its device) over the dp `group`
-    (None: the world), with the optimizer named by `optim` (its multi-tensor kernel version when
-    `fused`); `mp` says how the model is split besides; each of `hook_units` (compiled blocks)
-    waits for its weights as a whole; `domains` are sharded over groups of their own.
-    Collective over the dp group and every domain's group."""
+    """Apply ZeRO data parallelism (parallel.zero_stage 2 or 3) to `model` (already on its
+    device) over the dp `group` (None: the world), with the optimizer named by `optim` (its
+    multi-tensor kernel version when `fused`); `mp` says how the model is split besides; each of
+    `hook_units` (compiled blocks) waits for its weights as a whole at stage 2; `domains` are
+    sharded over groups of their own; `blocks`: the model's transformer blocks in forward order,
+    grouped into stage 3's units (zero3.block_units). Collective over the dp group and every
+    domain's group."""
     named = _trainable(model)
     check_domains(named, domains, mp)
     params = [p for _, p in named]
@@ -228,10 +257,15 @@ def build_zero_engine(
     bucket_numel = max(1, int(parallel.bucket_mb * 2**20) // GRAD_DTYPE.itemsize)  # MiB of fp32 grads
     replicated = [mp.tp_size > 1 and name in mp.replicated for name, _ in named]
     tied = [name in mp.tied for name, _ in named]
+    units, uses = build_units(model, named, blocks) if parallel.zero_stage == 3 else (None, [])
+    if units is not None:  # in backward order (reduce-scatters start in bucket order); one bucket a unit
+        units = units[::-1]
+        uses = [dataclasses.replace(use, unit=len(units) - 1 - use.unit) for use in uses]
+        bucket_numel = max(1, sum(p.numel() for p in params))
     plans = build_layouts([p.numel() for p in params], replicated, tied, bucket_numel,
-                          tuple(dist.get_world_size(g) for g in groups), domain_of)
+                          tuple(dist.get_world_size(g) for g in groups), domain_of, units)
     shared = tuple(map_shared_buckets(params, plans, parallel, g, d) for d, g in enumerate(groups))
-    buckets = build_bucket_buffers(params, plans, groups, replicated, tied, shared)
+    buckets = build_bucket_buffers(params, plans, groups, replicated, tied, shared, parallel.zero_stage)
     bucket_of = [0] * len(params)
     for b, plan in enumerate(plans):
         for slot in plan.layout.slots:
@@ -244,7 +278,20 @@ def build_zero_engine(
     norm_domains = tuple((d.group, frozenset(i for i, of in enumerate(domain_of) if of == k + 1))
                          for k, d in enumerate(domains))
     optimizer = build_shard_optimizer(opt_groups, len(params), optim, group, mp.tp, tp_whole, fused, norm_domains)
+    gathers = None
+    if units is not None:
+        unit_buckets = [tuple(b for b, plan in enumerate(plans) if plan.unit == u) for u in range(len(units))]
+        gathers = build_unit_gathers(buckets, unit_buckets, uses, parallel)
     engine = ZeroEngine(model, params, buckets, bucket_of, grad_views, pieces, optimizer, group,
-                        parallel.dp_overlap, mp)
+                        parallel.dp_overlap, mp, gathers)
     _register_hooks(engine, hook_units)
     return engine
+
+
+def build_unit_gathers(buckets: list[Bucket], unit_buckets: list[tuple[int, ...]], uses: list[Use],
+                       parallel: ParallelConfig) -> UnitGathers:
+    """Stage 3's units over the built buckets (their storage freed: the first forward gathers
+    what it needs), their hooks registered."""
+    gathers = UnitGathers(buckets, unit_buckets, uses, parallel.dp_overlap, parallel.reshard_after_forward)
+    gathers.register()
+    return gathers

@@ -44,7 +44,7 @@ CPU_INTER_BUSBW_GBPS = 1.1
 def with_layout(parallel: ParallelConfig, train: TrainConfig, lay: Layout) -> tuple[ParallelConfig, TrainConfig]:
     """The two sections trained with layout `lay` (the global batch unchanged: dp * micro_batch * n_micro)."""
     par = dataclasses.replace(parallel, dp=lay.dp, tp=lay.tp, pp=lay.pp, virtual_stages=lay.virtual_stages,
-                              activation_checkpointing=lay.checkpointing, ep=lay.ep)
+                              activation_checkpointing=lay.checkpointing, ep=lay.ep, zero_stage=lay.zero_stage)
     return par, dataclasses.replace(train, micro_batch=lay.micro_batch, grad_accum=lay.n_micro)
 
 
@@ -60,12 +60,13 @@ def _engine_accepts(lay: Layout, *, model_cfg: ModelConfig, parallel: ParallelCo
     return True
 
 
-def simplicity(lay: Layout) -> tuple[int, int, int, int, int, int]:
+def simplicity(lay: Layout) -> tuple[int, int, int, int, int, int, int]:
     """Tie-break among equally fast layouts, smallest first: fewer pipeline stages, then fewer tp
     ranks (fewer collectives the model might miss), fewer virtual stages, less recomputation,
     then the larger micro-batch (bigger GEMMs, which the time model does not credit), then less
-    expert parallelism (fewer all-to-alls)."""
-    return (lay.pp, lay.tp, lay.virtual_stages, CHECKPOINTING.index(lay.checkpointing), -lay.micro_batch, lay.ep)
+    expert parallelism (fewer all-to-alls), then ZeRO stage 2 (half the gathers of stage 3)."""
+    return (lay.pp, lay.tp, lay.virtual_stages, CHECKPOINTING.index(lay.checkpointing), -lay.micro_batch, lay.ep,
+            lay.zero_stage)
 
 
 def rank_fitting(predictions: list[Prediction]) -> list[Prediction]:
@@ -92,7 +93,7 @@ class Choice:
 def _describe(lay: Layout) -> str:
     ep = f" ep {lay.ep}" if lay.ep > 1 else ""
     return (f"dp {lay.dp} tp {lay.tp} pp {lay.pp}{ep} v {lay.virtual_stages} mb {lay.micro_batch} "
-            f"grad_accum {lay.n_micro} recompute {lay.checkpointing}")
+            f"grad_accum {lay.n_micro} recompute {lay.checkpointing} zero {lay.zero_stage}")
 
 
 def _refusal(batch: int, world: int, dev: DeviceSpec, predictions: list[Prediction]) -> str:

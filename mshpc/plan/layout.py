@@ -1,6 +1,6 @@
 """The layouts the planner weighs: every (dp, tp, pp, virtual stages, micro-batch, activation
-checkpointing, and for a mixture of experts ep) that the engine accepts for a model, a GPU count
-and a global batch.
+checkpointing, ZeRO stage, and for a mixture of experts ep) that the engine accepts for a model,
+a GPU count and a global batch.
 
 The global batch (sequences per optimizer step) stays fixed across layouts, as Megatron-LM's
 `--global-batch-size` does: it is the config's train.micro_batch * train.grad_accum *
@@ -17,6 +17,8 @@ from mshpc.errors import ConfigError
 
 Checkpointing = Literal["none", "selective", "full"]
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
+ZeroStage = Literal[2, 3]
+ZERO_STAGES: tuple[ZeroStage, ...] = (2, 3)
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -30,6 +32,7 @@ class Layout:
     n_micro: int  # micro-batches per step per pipeline (train.grad_accum)
     checkpointing: Checkpointing
     ep: int = 1  # expert parallelism, carved out of dp (a mixture of experts only)
+    zero_stage: ZeroStage = 2  # parallel.zero_stage: 3 shards the weights too
 
     @property
     def gpus(self) -> int:
@@ -70,8 +73,8 @@ def enumerate_layouts(gpus: int, gpus_per_node: int, *, model_cfg: ModelConfig, 
             for mb in (b for b in MICRO_BATCHES if batch % (dp * b) == 0):
                 n_micro = batch // (dp * mb)
                 for v in _virtual_stages(m.n_layer, pp, n_micro):
-                    layouts += [Layout(dp, tp, pp, v, mb, n_micro, ac, ep) for ac in CHECKPOINTING
-                                for ep in expert_parallel_sizes(m, dp)]
+                    layouts += [Layout(dp, tp, pp, v, mb, n_micro, ac, ep, zero) for ac in CHECKPOINTING
+                                for ep in expert_parallel_sizes(m, dp) for zero in ZERO_STAGES]
     if not layouts:
         raise ConfigError(
             f"no layout of {gpus} GPUs divides the global batch of {batch} sequences "
@@ -83,4 +86,5 @@ def enumerate_layouts(gpus: int, gpus_per_node: int, *, model_cfg: ModelConfig, 
 def layout_of(parallel: ParallelConfig, train: TrainConfig) -> Layout:
     """The layout a config trains with as written."""
     p, t = parallel, train
-    return Layout(p.dp, p.tp, p.pp, p.virtual_stages, t.micro_batch, t.grad_accum, p.activation_checkpointing, p.ep)
+    return Layout(p.dp, p.tp, p.pp, p.virtual_stages, t.micro_batch, t.grad_accum, p.activation_checkpointing, p.ep,
+                  p.zero_stage)

@@ -16,6 +16,14 @@ layer's input plus one layer's activations while it is recomputed. In the pipeli
 holds min(m, p - i) micro-batches under 1F1B, all m under GPipe, and 2(p - i - 1) + (v - 1)p + 1
 model chunks under the interleaved schedule (Megatron-LM's warm-up counts), so the first stage
 holds L(1 + (p - 1)/(pv)) layers' worth (Korthikanti sec. 4.2.3).
+
+At ZeRO stage 3 (parallel/zero3.py) a rank keeps only its fp32 shards of the weights (the
+masters, counted with the optimizer's state) and holds whole only the units gathered at once: the
+one computing and the next on its way, the two largest at worst (all of them with
+reshard_after_forward off, at the end of forward). Gradients live in a unit's buffer from its
+backward to its reduce-scatter (three units at worst: the tied embedding's waits for the whole
+backward), plus the reduced fp32 shard; with gradient accumulation every buffer stays from the
+first micro-batch to the last, as at stage 2.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ GIB = 2**30
 # mshpc's ZeRO-2 engine per parameter: fp32 weights (autocast computes in bf16) and fp32
 # gradient buckets on every rank; fp32 master and two moments (AdamW, LAMB) on 1/dp of them.
 WEIGHT_BYTES, GRAD_BYTES, SHARDED_STATE_BYTES = 4, 4, 12
+MASTER_BYTES = 4  # of SHARDED_STATE_BYTES: the fp32 master, all stage 3 keeps of a weight between uses
 RESERVED_GIB = 2.0  # CUDA context, NCCL buffers, allocator slack
 
 
@@ -70,17 +79,66 @@ def stage_expert_params(m: ModelConfig, layout: Layout) -> float:
     return local_expert_params(m, layout.ep) * m.moe_layers / layout.pp
 
 
-def _layers_params(m: ModelConfig, layout: Layout) -> float:
-    """One GPU's share of a stage's layers: dense blocks (layer_params) and MoE blocks, whose MLP
-    is a router, shared experts (whole on every tp rank, as the experts) and the local experts."""
+def sharded_params(m: ModelConfig, layout: Layout, params: float) -> float:
+    """One GPU's ZeRO shard of a stage's `params`: the routed experts' over their dp / ep ranks
+    (the expert-data-parallel group), the rest over dp."""
+    experts = stage_expert_params(m, layout)
+    return (params - experts) / layout.dp + experts / (layout.dp // layout.ep)
+
+
+def block_params(m: ModelConfig, layout: Layout, moe: bool) -> float:
+    """One block on one GPU: a dense block (layer_params) or an MoE block, whose MLP is a router,
+    shared experts (whole on every tp rank, as the experts) and the n_experts / ep local experts."""
     dense = layer_params(dataclasses.replace(m, moe=None), layout.tp)
-    if m.moe is None:
-        return dense * m.n_layer / layout.pp
+    if not moe or m.moe is None:
+        return dense
     h = m.d_model
     mlp = (3 if m.mlp == "swiglu" else 2) * h * m.ffn_width / layout.tp
     rest = m.moe.n_experts * h + 3 * h * m.shared_ffn + (h if m.moe.shared_expert_gate else 0)
-    dense_layers = m.n_layer - m.moe_layers
-    return (dense * dense_layers + (dense - mlp + rest) * m.moe_layers) / layout.pp + stage_expert_params(m, layout)
+    return dense - mlp + rest + local_expert_params(m, layout.ep)
+
+
+def _layers_params(m: ModelConfig, layout: Layout) -> float:
+    """One GPU's share of a stage's layers: an even share of the dense and the MoE blocks."""
+    moe = m.moe_layers
+    return ((m.n_layer - moe) * block_params(m, layout, False) + moe * block_params(m, layout, True)) / layout.pp
+
+
+def stage_units(m: ModelConfig, layout: Layout, stage: int, blocks_per_unit: int = 1) -> list[float]:
+    """Stage 3's units on one GPU of pipeline `stage`, in parameters: each group of
+    `blocks_per_unit` blocks of a pipeline chunk (chunk c of stage s holds layers from
+    (c * pp + s) * chunk), the embedding on the first stage, the final norm and lm head on the
+    last; the tied embedding at pp = 1 is one unit with the final norm."""
+    chunk = m.n_layer // (layout.pp * layout.virtual_stages)
+    units = []
+    for c in range(layout.virtual_stages):
+        first = (c * layout.pp + stage) * chunk
+        blocks = [block_params(m, layout, m.is_moe_layer(i)) for i in range(first, first + chunk)]
+        units += [sum(blocks[i:i + blocks_per_unit]) for i in range(0, chunk, blocks_per_unit)]
+    table = m.vocab_size * m.d_model / layout.tp
+    if layout.pp == 1 and m.tie_embeddings:
+        return [*units, table + _norm_params(m)]
+    if stage == 0:
+        units.append(table)
+    if stage == layout.pp - 1:
+        units.append(table + _norm_params(m))
+    return units
+
+
+def zero3_gathered_params(m: ModelConfig, layout: Layout, stage: int, blocks_per_unit: int = 1,
+                          reshard: bool = True) -> float:
+    """Parameters gathered whole at once at stage 3: the two largest units (one computing, the
+    next on its way), or, with parallel.reshard_after_forward off, every unit of the stage."""
+    units = sorted(stage_units(m, layout, stage, blocks_per_unit))
+    return sum(units) if not reshard else sum(units[-2:])
+
+
+def zero3_param_bytes(m: ModelConfig, layout: Layout, stage: int = 0, blocks_per_unit: int = 1,
+                      reshard: bool = True, weight_bytes: int = WEIGHT_BYTES) -> float:
+    """Parameter bytes a GPU of pipeline `stage` holds at its peak at stage 3: its fp32 shards
+    (the masters) plus the units gathered at once, in the weights' dtype."""
+    return (MASTER_BYTES * sharded_params(m, layout, stage_params(m, layout, stage))
+            + weight_bytes * zero3_gathered_params(m, layout, stage, blocks_per_unit, reshard))
 
 
 def stage_params(m: ModelConfig, layout: Layout, stage: int) -> float:
@@ -204,16 +262,31 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, flash: bo
     return acts
 
 
+def weights_and_grads(m: ModelConfig, layout: Layout, stage: int, blocks_per_unit: int = 1,
+                      reshard: bool = True) -> tuple[float, float]:
+    """Bytes of weights and of gradients one GPU of pipeline `stage` holds at its peak: all of
+    both at ZeRO stage 2; at stage 3 the gathered units (the fp32 shards are the optimizer's
+    masters) and the gradients in flight (see the module's doc)."""
+    params = stage_params(m, layout, stage)
+    if layout.zero_stage == 2:
+        return params * WEIGHT_BYTES, params * GRAD_BYTES
+    units = sorted(stage_units(m, layout, stage, blocks_per_unit))
+    in_flight = params if layout.n_micro > 1 else sum(units[-3:])
+    weights = WEIGHT_BYTES * zero3_gathered_params(m, layout, stage, blocks_per_unit, reshard)
+    return weights, GRAD_BYTES * (in_flight + sharded_params(m, layout, params))
+
+
 def memory(m: ModelConfig, layout: Layout, flash: bool = True, schedule: str = "1f1b",
-           act_bytes: int = ACT_BYTES) -> Memory:
+           act_bytes: int = ACT_BYTES, blocks_per_unit: int = 1, reshard: bool = True) -> Memory:
     """Memory of the fullest stage (the first or the last) for `layout`; `act_bytes`: 2 under
-    bf16 autocast, 4 in fp32 (CPU ranks' default)."""
+    bf16 autocast, 4 in fp32 (CPU ranks' default); `blocks_per_unit`, `reshard`: stage 3's
+    parallel.zero3_blocks_per_unit and parallel.reshard_after_forward."""
     best = None
     for stage in sorted({0, layout.pp - 1}):
-        params, experts = stage_params(m, layout, stage), stage_expert_params(m, layout)
+        params = stage_params(m, layout, stage)
+        weights, grads = weights_and_grads(m, layout, stage, blocks_per_unit, reshard)
         candidate = Memory(
-            weights=params * WEIGHT_BYTES, grads=params * GRAD_BYTES,
-            optimizer=((params - experts) / layout.dp + experts / (layout.dp // layout.ep)) * SHARDED_STATE_BYTES,
+            weights=weights, grads=grads, optimizer=sharded_params(m, layout, params) * SHARDED_STATE_BYTES,
             activations=stage_activation_bytes(m, layout, stage, flash, schedule, act_bytes), stage=stage,
         )
         if best is None or candidate.total > best.total:

@@ -12,7 +12,7 @@ from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout, enumerate_layouts, layout_of
 from mshpc.plan.memory import GIB, Memory, memory
 from mshpc.plan.moe_plan import model_params
-from mshpc.plan.steptime import StepTime, step_time
+from mshpc.plan.steptime import StepTime, dp_bytes, step_time
 
 
 @dataclass(frozen=True)
@@ -21,13 +21,14 @@ class Prediction:
     memory: Memory
     time: StepTime
     fits: bool
+    dp_bytes: float  # what the dp group's collectives carry per step (steptime.dp_bytes)
 
     def to_json(self) -> dict[str, Any]:
         mem = {k: v / GIB for k, v in asdict(self.memory).items() if k != "stage"}
         return {
             **asdict(self.layout), "fits": self.fits, "memory_gib": self.memory.total / GIB,
             "memory_breakdown_gib": mem, "fullest_stage": self.memory.stage,
-            "step_time_s": self.time.total_s, "mfu": self.time.mfu,
+            "step_time_s": self.time.total_s, "mfu": self.time.mfu, "dp_bytes_per_step": self.dp_bytes,
             "bubble_fraction": self.time.bubble_fraction,
             "time_breakdown_s": {k: v for k, v in asdict(self.time).items() if k != "mfu"},
         }
@@ -36,10 +37,12 @@ class Prediction:
 def predict(layout: Layout, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig,
             parallel: ParallelConfig) -> Prediction:
     """Memory and step time of `model_cfg` trained with `layout`; `parallel` gives the overlap
-    settings and the pipeline schedule (its dp, tp and pp are the layout's)."""
-    mem = memory(model_cfg, layout, schedule=parallel.pp_schedule, act_bytes=dev.act_bytes)
+    settings, the pipeline schedule and stage 3's knobs (its dp, tp, pp and stage are the layout's)."""
+    mem = memory(model_cfg, layout, schedule=parallel.pp_schedule, act_bytes=dev.act_bytes,
+                 blocks_per_unit=parallel.zero3_blocks_per_unit, reshard=parallel.reshard_after_forward)
     time = step_time(layout, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel)
-    return Prediction(layout, mem, time, mem.total <= dev.memory_gib * GIB)
+    return Prediction(layout, mem, time, mem.total <= dev.memory_gib * GIB,
+                      dp_bytes(layout, model_cfg=model_cfg, parallel=parallel))
 
 
 def plan(gpus: int, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig, parallel: ParallelConfig,
@@ -54,7 +57,7 @@ def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> st
     """The `top` predictions as a table; an ep column where some layout has expert parallelism."""
     experts = any(p.layout.ep > 1 for p in predictions)
     ep_head = f"{'ep':>4} " if experts else ""
-    head = f"{'dp':>5} {'tp':>3} {'pp':>3} {ep_head}{'v':>3} {'mb':>3} {'m':>5} {'recompute':>9} " \
+    head = f"{'dp':>5} {'tp':>3} {'pp':>3} {ep_head}{'v':>3} {'mb':>3} {'m':>5} {'recompute':>9} {'zero':>4} " \
            f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'MFU':>6} {'bubble':>6}"
     lines = [head]
     for p in predictions[:top]:
@@ -62,7 +65,7 @@ def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> st
         ep = f"{lay.ep:>4} " if experts else ""
         lines.append(
             f"{lay.dp:>5} {lay.tp:>3} {lay.pp:>3} {ep}{lay.virtual_stages:>3} {lay.micro_batch:>3} "
-            f"{lay.n_micro:>5} {lay.checkpointing:>9} {p.memory.total / GIB:>8.1f} "
+            f"{lay.n_micro:>5} {lay.checkpointing:>9} {lay.zero_stage:>4} {p.memory.total / GIB:>8.1f} "
             f"{'yes' if p.fits else 'no':>4} {p.time.total_s:>8.3f} {p.time.mfu:>6.1%} "
             f"{p.time.bubble_fraction:>6.1%}"
         )
@@ -91,7 +94,8 @@ def fit_warning(device_memory_bytes: int, device_name: str, *, model_cfg: ModelC
                 train: TrainConfig) -> str | None:
     """A one-line warning when the config's own layout will not fit on its device, else None.
     Activations are counted in bf16, the GPU default (train.dtype: auto)."""
-    mem = memory(model_cfg, layout_of(parallel, train), schedule=parallel.pp_schedule)
+    mem = memory(model_cfg, layout_of(parallel, train), schedule=parallel.pp_schedule,
+                 blocks_per_unit=parallel.zero3_blocks_per_unit, reshard=parallel.reshard_after_forward)
     if mem.total <= device_memory_bytes:
         return None
     return (f"this layout needs about {mem.total / GIB:.1f} GiB per GPU on pipeline stage {mem.stage} "

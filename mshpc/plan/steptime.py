@@ -22,7 +22,7 @@ from mshpc.diagnose.mfu import attention_context, flops_per_token
 from mshpc.parallel.parallel_block import fusable
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout
-from mshpc.plan.memory import GRAD_BYTES, WEIGHT_BYTES, stage_expert_params, stage_params
+from mshpc.plan.memory import GRAD_BYTES, WEIGHT_BYTES, sharded_params, stage_expert_params, stage_params
 from mshpc.plan.moe_plan import ep_exposed_s, ep_link_gbps, expert_fraction
 
 # Optimizer step bytes per sharded parameter: read master, grad and two moments, write three.
@@ -116,18 +116,41 @@ def _dp_link_gbps(layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> float:
     return dev.intra_gbps if layout.tp * layout.dp <= gpus_per_node else dev.inter_gbps
 
 
+def weight_gathers(parallel: ParallelConfig, layout: Layout) -> int:
+    """All-gathers of every weight per step: one at stage 2 (after the update); at stage 3 one
+    per micro-batch for forward and, with reshard_after_forward, one more for backward."""
+    if layout.zero_stage == 2:
+        return 1
+    return layout.n_micro * (2 if parallel.reshard_after_forward else 1)
+
+
+def dp_bytes(layout: Layout, *, model_cfg: ModelConfig, parallel: ParallelConfig) -> float:
+    """Bytes a dp group's collectives carry per step (each counted once, as the flight recorder
+    counts them): the gradients' reduce-scatter and the weights' all-gathers; at stage 3 with one
+    micro-batch, 1.5x stage 2's."""
+    params = max(stage_params(model_cfg, layout, s) for s in {0, layout.pp - 1})
+    return params * (GRAD_BYTES + WEIGHT_BYTES * weight_gathers(parallel, layout)) if layout.dp > 1 else 0.0
+
+
 def dp_exposed_s(m: ModelConfig, parallel: ParallelConfig, layout: Layout, dev: DeviceSpec, gpus_per_node: int,
                  mb_s: float) -> float:
-    """ZeRO-2 per step: reduce-scatter of the fp32 gradients, all-gather of the weights; the
-    routed experts' over their dp / ep ranks, the rest over dp."""
+    """ZeRO per step: reduce-scatter of the fp32 gradients behind the last backward, all-gathers
+    of the weights behind compute: stage 2's one behind the first forward, stage 3's one behind
+    every forward (a unit's gather behind the unit before it) and one behind every backward. The
+    routed experts' collectives run over their dp / ep ranks, the rest over dp."""
     experts = stage_expert_params(m, layout)
     params = max(stage_params(m, layout, s) for s in {0, layout.pp - 1}) - experts
     gbps, n, e = _dp_link_gbps(layout, dev, gpus_per_node), layout.dp, layout.dp // layout.ep
     rs = _collective_s(params * GRAD_BYTES, n, (n - 1) / n, gbps) + _collective_s(experts * GRAD_BYTES, e, (e - 1) / e, gbps)
     ag = _collective_s(params * WEIGHT_BYTES, n, (n - 1) / n, gbps) + _collective_s(experts * WEIGHT_BYTES, e, (e - 1) / e, gbps)
+    gathers = weight_gathers(parallel, layout)
     if not parallel.dp_overlap:
-        return rs + ag
-    return max(0.0, rs - mb_s * 2 / 3) + max(0.0, ag - mb_s / 3)
+        return rs + gathers * ag
+    exposed = max(0.0, rs - mb_s * 2 / 3) + max(0.0, ag - mb_s / 3)  # stage 2's gather: behind the first forward
+    if layout.zero_stage == 3:  # a gather per micro-batch behind each forward, one behind each backward
+        backward = max(0.0, ag - mb_s * 2 / 3) if parallel.reshard_after_forward else 0.0
+        exposed += (layout.n_micro - 1) * max(0.0, ag - mb_s / 3) + layout.n_micro * backward
+    return exposed
 
 
 def pp_exposed_s(m: ModelConfig, layout: Layout, dev: DeviceSpec, gpus_per_node: int) -> float:
@@ -139,12 +162,6 @@ def pp_exposed_s(m: ModelConfig, layout: Layout, dev: DeviceSpec, gpus_per_node:
     # stage neighbours are dp * tp ranks apart
     gbps = dev.intra_gbps if layout.dp * layout.tp * layout.pp <= gpus_per_node else dev.inter_gbps
     return 2 * (layout.pp * layout.virtual_stages - 1) * _collective_s(nbytes, 2, 1.0, gbps)
-
-
-def sharded_params(m: ModelConfig, layout: Layout, params: float) -> float:
-    """The master parameters one GPU updates: 1/dp of `params`, the routed experts' 1/(dp / ep)."""
-    experts = stage_expert_params(m, layout)
-    return (params - experts) / layout.dp + experts / (layout.dp // layout.ep)
 
 
 def step_time(layout: Layout, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig,
