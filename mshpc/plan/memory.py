@@ -19,11 +19,11 @@ holds L(1 + (p - 1)/(pv)) layers' worth (Korthikanti sec. 4.2.3).
 
 At ZeRO stage 3 (parallel/zero3.py) a rank keeps only its fp32 shards of the weights (the
 masters, counted with the optimizer's state) and holds whole only the units gathered at once: the
-one computing and the next on its way, the two largest at worst (all of them with
-reshard_after_forward off, at the end of forward). Gradients live in a unit's buffer from its
-backward to its reduce-scatter (three units at worst: the tied embedding's waits for the whole
-backward), plus the reduced fp32 shard; with gradient accumulation every buffer stays from the
-first micro-batch to the last, as at stage 2.
+one computing and the next on its way, the largest two neighbours in the order of use (all of
+them with reshard_after_forward off, at the end of forward). Gradients live in a unit's buffer
+from its backward to its reduce-scatter (those two units and, at worst, the largest one: the tied
+embedding's waits for the whole backward), plus the reduced fp32 shard; with gradient
+accumulation every buffer stays from the first micro-batch to the last, as at stage 2.
 """
 
 from __future__ import annotations
@@ -105,10 +105,11 @@ def _layers_params(m: ModelConfig, layout: Layout) -> float:
 
 
 def stage_units(m: ModelConfig, layout: Layout, stage: int, blocks_per_unit: int = 1) -> list[float]:
-    """Stage 3's units on one GPU of pipeline `stage`, in parameters: each group of
-    `blocks_per_unit` blocks of a pipeline chunk (chunk c of stage s holds layers from
-    (c * pp + s) * chunk), the embedding on the first stage, the final norm and lm head on the
-    last; the tied embedding at pp = 1 is one unit with the final norm."""
+    """Stage 3's units on one GPU of pipeline `stage` in the order the forward uses them, in
+    parameters: the embedding on the first stage, each group of `blocks_per_unit` blocks of a
+    pipeline chunk (chunk c of stage s holds layers from (c * pp + s) * chunk), the final norm and
+    lm head on the last; the tied embedding at pp = 1 is one unit with the final norm, used first
+    and last."""
     chunk = m.n_layer // (layout.pp * layout.virtual_stages)
     units = []
     for c in range(layout.virtual_stages):
@@ -117,20 +118,21 @@ def stage_units(m: ModelConfig, layout: Layout, stage: int, blocks_per_unit: int
         units += [sum(blocks[i:i + blocks_per_unit]) for i in range(0, chunk, blocks_per_unit)]
     table = m.vocab_size * m.d_model / layout.tp
     if layout.pp == 1 and m.tie_embeddings:
-        return [*units, table + _norm_params(m)]
-    if stage == 0:
-        units.append(table)
-    if stage == layout.pp - 1:
-        units.append(table + _norm_params(m))
-    return units
+        return [table + _norm_params(m), *units, table + _norm_params(m)]
+    first = [table] if stage == 0 else []
+    last = [table + _norm_params(m)] if stage == layout.pp - 1 else []
+    return first + units + last
 
 
 def zero3_gathered_params(m: ModelConfig, layout: Layout, stage: int, blocks_per_unit: int = 1,
                           reshard: bool = True) -> float:
-    """Parameters gathered whole at once at stage 3: the two largest units (one computing, the
-    next on its way), or, with parallel.reshard_after_forward off, every unit of the stage."""
-    units = sorted(stage_units(m, layout, stage, blocks_per_unit))
-    return sum(units) if not reshard else sum(units[-2:])
+    """Parameters gathered whole at once at stage 3: the largest two neighbours in the order of
+    use (one computing, the next on its way), or, with parallel.reshard_after_forward off, every
+    weight of the stage."""
+    if not reshard:
+        return stage_params(m, layout, stage)
+    units = stage_units(m, layout, stage, blocks_per_unit)
+    return max((a + b for a, b in zip(units, units[1:], strict=False)), default=sum(units))
 
 
 def zero3_param_bytes(m: ModelConfig, layout: Layout, stage: int = 0, blocks_per_unit: int = 1,
@@ -270,10 +272,10 @@ def weights_and_grads(m: ModelConfig, layout: Layout, stage: int, blocks_per_uni
     params = stage_params(m, layout, stage)
     if layout.zero_stage == 2:
         return params * WEIGHT_BYTES, params * GRAD_BYTES
-    units = sorted(stage_units(m, layout, stage, blocks_per_unit))
-    in_flight = params if layout.n_micro > 1 else sum(units[-3:])
-    weights = WEIGHT_BYTES * zero3_gathered_params(m, layout, stage, blocks_per_unit, reshard)
-    return weights, GRAD_BYTES * (in_flight + sharded_params(m, layout, params))
+    gathered = zero3_gathered_params(m, layout, stage, blocks_per_unit, reshard)
+    largest = max(stage_units(m, layout, stage, blocks_per_unit))
+    in_flight = params if layout.n_micro > 1 else min(params, gathered + largest)
+    return WEIGHT_BYTES * gathered, GRAD_BYTES * (in_flight + sharded_params(m, layout, params))
 
 
 def memory(m: ModelConfig, layout: Layout, flash: bool = True, schedule: str = "1f1b",

@@ -5,27 +5,36 @@ Stage 3 must train bitwise as stage 2 (the same sums in the same order: its buck
 elsewhere, and the clipping norm is summed in fp64 so that the cut does not show), hold no more
 parameter bytes than its shards plus the two largest units (measured by a hook on each gather and
 free, each checked against glibc's own count of bytes in use), and gather one unit ahead.
+The layouts with tensor and pipeline parallelism train through the real train step
+(train.build_model_step: tp/sp, recomputation, the pipeline schedule, ZeRO, as `mshpc train`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import math
+import resource
 
 import pytest
 import torch
 import torch.distributed as dist
+from support.rank_runner import RankError, run_ranks
 
-from mshpc.config import ModelConfig, OptimConfig, ParallelConfig
+from mshpc.batch import Batch
+from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.host_memory import keep_freed_host_memory
+from mshpc.mesh_shape import MeshShape
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel import comm
 from mshpc.parallel.apply import apply_activation_checkpointing
+from mshpc.parallel.mesh import build_mesh
 from mshpc.parallel.zero import ZeroEngine
 from mshpc.parallel.zero3 import block_units
 from mshpc.parallel.zero_build import build_zero_engine
 from mshpc.plan.layout import Layout
 from mshpc.plan.memory import zero3_param_bytes
-from support.rank_runner import run_ranks
+from mshpc.train import Runtime, build_model_step
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 LLAMA_TINY = dataclasses.replace(TINY, mlp="swiglu", norm="rmsnorm", n_head=4, n_kv_head=2, tie_embeddings=False,
@@ -35,6 +44,7 @@ GPT_125M = ModelConfig(vocab_size=50304, seq_len=16, n_layer=12, n_head=12, d_mo
 LLAMA = ModelConfig(vocab_size=32000, seq_len=16, n_layer=4, n_head=8, n_kv_head=2, d_model=512, mlp="swiglu",
                     ffn_dim=1408, norm="rmsnorm", parallel_block=False, tie_embeddings=False)
 STEPS = 4
+LONG_STEPS = 20  # the layouts trained through the train step
 BATCH = 4  # sequences per rank and step
 GRAD_CLIP = 0.05  # below these steps' norms: clipping acts, so the norm's rounding would show
 
@@ -52,24 +62,43 @@ CASES = {
 
 
 def engine_for(model_cfg: ModelConfig, stage: int, group: dist.ProcessGroup | None = None, optim: str = "adamw",
-               settings: dict | None = None, recompute: str = "none") -> ZeroEngine:
+               settings: dict | None = None, recompute: str = "none", cheap: bool = False,
+               lr: float = 1e-2) -> ZeroEngine:
     torch.manual_seed(0)
-    model = GPT(model_cfg)
+    model = GPT(model_cfg) if not cheap else cheap_model(model_cfg)
     apply_activation_checkpointing(model, recompute)
     settings = settings or {}
-    stage3 = {k: v for k, v in settings.items() if stage == 3 or k == "dp_overlap"}
-    parallel = ParallelConfig(dp=dist.get_world_size(group), bucket_mb=16 / 1024, zero_stage=stage, **stage3)
+    # stage 3's own knobs are refused at stage 2
+    mine = {k: v for k, v in settings.items() if stage == 3 or k not in ("zero3_blocks_per_unit", "reshard_after_forward")}
+    parallel = ParallelConfig(dp=dist.get_world_size(group), bucket_mb=16 / 1024, zero_stage=stage, **mine)
     blocks = block_units([(int(i), b) for i, b in model.layers.items()], parallel.zero3_blocks_per_unit)
-    return build_zero_engine(model, OptimConfig(name=optim, lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP),
+    return build_zero_engine(model, OptimConfig(name=optim, lr=lr, weight_decay=0.1, grad_clip=GRAD_CLIP),
                              parallel, group, blocks=blocks)
 
 
-def engine_step(engine: ZeroEngine, step: int, micros: int = 1) -> tuple[float, float]:
+def cheap_model(cfg: ModelConfig) -> GPT:
+    """A GPT whose weights are a constant: for measuring memory, without drawing a large model's
+    weights from a normal distribution (seconds per rank at gpt-125m)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cpu")  # a parameter per module: the tie is undone
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    for p in model.parameters():
+        p.detach().fill_(0.02)
+    return model
+
+
+def tokens_for(cfg: ModelConfig, step: int, rank: int, n: int = BATCH) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, cfg.vocab_size, (n, cfg.seq_len + 1), generator=gen)
+
+
+def engine_step(engine: ZeroEngine, step: int, micros: int = 1, batch: int = BATCH) -> tuple[float, float]:
     cfg, rank = engine.model.cfg, dist.get_rank(engine.group)
-    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=torch.Generator().manual_seed(
-        100 * step + rank))
+    tokens = tokens_for(cfg, step, rank, batch)
     total = torch.zeros(())
-    for i, micro in enumerate(tokens.split(BATCH // micros)):
+    for i, micro in enumerate(tokens.split(batch // micros)):
         loss = loss_fn(engine.model(micro[:, :-1]), micro[:, 1:]) / micros
         engine.backward(loss, sync=i == micros - 1)
         total += loss.detach()
@@ -77,17 +106,24 @@ def engine_step(engine: ZeroEngine, step: int, micros: int = 1) -> tuple[float, 
     return total.item(), engine.step(GRAD_CLIP).item()
 
 
-def weights(engine: ZeroEngine) -> torch.Tensor:
-    """Every weight, whole, from the masters (stage 3 holds no weight whole between uses)."""
-    pieces = {}
-    for name, s in {**engine.state_slices(), **engine.weight_slices()}.items():
-        pieces[(name, s.start)] = s.tensor.flatten().tolist()
-    everyone = comm.all_gather_json([[n, start, data] for (n, start), data in pieces.items()], engine.group)
-    whole: dict[str, dict[int, list[float]]] = {}
-    for rank_pieces in everyone:
-        for name, start, data in rank_pieces:
-            whole.setdefault(name, {})[start] = data
-    return torch.tensor([x for name in sorted(whole) for start in sorted(whole[name]) for x in whole[name][start]])
+def weights(engine: ZeroEngine, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every weight, master and moment, whole, assembled from the slices every rank of `group`
+    saves (stage 3 holds no weight whole between uses): each rank places its own slices into
+    zeros and a sum over the group fills the rest, exactly (x + 0 = x)."""
+    slices = {**engine.state_slices(), **engine.weight_slices()}
+    shapes = {}
+    for mine in comm.all_gather_json({n: list(s.global_shape) for n, s in slices.items()}, group):
+        shapes.update(mine)
+    offsets, total = {}, 0
+    for name in sorted(shapes):
+        offsets[name] = total
+        total += math.prod(shapes[name])
+    flat = torch.zeros(total)
+    for name, s in slices.items():
+        start = offsets[name] + s.start
+        flat[start:start + s.tensor.numel()] = s.tensor.flatten().float()
+    comm.all_reduce(flat, group=group)
+    return flat
 
 
 def parity(rank: int, world: int) -> dict:
@@ -98,10 +134,10 @@ def parity(rank: int, world: int) -> dict:
             engine = engine_for(model_cfg, stage, None, optim, settings, recompute)
             steps = [engine_step(engine, s, micros) for s in range(STEPS)]
             engine.wait_params()
-            runs[stage] = (steps, weights(engine))
+            runs[stage] = (steps, weights(engine, engine.group))
         out[case] = {"same_steps": runs[2][0] == runs[3][0], "same_state": torch.equal(runs[2][1], runs[3][1]),
-                     "step_diff": max(abs(a - b) / abs(a) for s2, s3 in zip(runs[2][0], runs[3][0])
-                                      for a, b in zip(s2, s3))}
+                     "step_diff": max(abs(a - b) / abs(a) for s2, s3 in zip(runs[2][0], runs[3][0], strict=True)
+                                      for a, b in zip(s2, s3, strict=True))}
     return out
 
 
@@ -157,7 +193,7 @@ def memory_probe(engine: ZeroEngine) -> dict:
         events.append((held, info.uordblks + info.hblkhd))
 
     engine.units.watch = watch
-    engine_step(engine, 0)
+    engine_step(engine, 0, batch=1)
     engine.wait_params()
     engine.units.watch = None
     pairs = list(zip(events[::2], events[1::2], strict=True))
@@ -175,21 +211,57 @@ class MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-def memory(model_cfg: ModelConfig, group: dist.ProcessGroup | None) -> dict:
-    out = memory_probe(engine_for(model_cfg, 3, group))
-    dp = dist.get_world_size(group)
-    out["plan"] = zero3_param_bytes(model_cfg, Layout(dp, 1, 1, 1, BATCH, 1, "none", zero_stage=3),
-                                    weight_bytes=4)
+def memory(model_cfg: ModelConfig) -> dict:
+    out = memory_probe(engine_for(model_cfg, 3, cheap=True))
+    dp = dist.get_world_size()
+    out["plan"] = zero3_param_bytes(model_cfg, Layout(dp, 1, 1, 1, 1, 1, "none", zero_stage=3), weight_bytes=4)
+    return out
+
+
+# ---------------------------------------------------------------- through the train step
+
+# name: (parallel settings, sequences per micro-batch, micro-batches per step, steps)
+LAYOUTS = {
+    "dp2-tp2": ({"dp": 2, "tp": 2}, 4, 1, LONG_STEPS),
+    "dp2-pp2": ({"dp": 2, "pp": 2, "activation_checkpointing": "full"}, 2, 2, STEPS),
+}
+
+
+def train_layout(name: str, stage: int) -> dict:
+    settings, micro_batch, micros, steps = LAYOUTS[name]
+    cfg = Config(model=TINY, parallel=ParallelConfig(bucket_mb=16 / 1024, zero_stage=stage, **settings),
+                 optim=OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP),
+                 train=TrainConfig(micro_batch=micro_batch, grad_accum=micros))
+    p = cfg.parallel
+    mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))
+    engine, step_fn = build_model_step(cfg, mesh, Runtime(torch.device("cpu"), None, None))
+    out: dict = {"steps": []}
+    for step in range(steps):
+        loss, norm = step_fn(Batch(tokens_for(TINY, step, mesh.coords.dp, micro_batch * micros)))
+        out["steps"].append([loss.item(), norm.item()])
+    engine.wait_params()
+    out["weights"] = weights(engine, None)
+    return out
+
+
+def layouts(rank: int, world: int) -> dict:
+    out = {}
+    for name in LAYOUTS:
+        runs = {stage: train_layout(name, stage) for stage in (2, 3)}
+        out[name] = {"same_steps": runs[2]["steps"] == runs[3]["steps"], "steps": len(runs[3]["steps"]),
+                     "same_state": torch.equal(runs[2]["weights"], runs[3]["weights"])}
     return out
 
 
 def two_ranks(rank: int, world: int) -> dict:
+    keep_freed_host_memory()  # as a CPU run's parallelize does: freed buffers stay in the heap
     return {"parity": parity(rank, world), "traffic": traffic(rank, world), "order": gather_order(rank, world),
-            "memory": {"gpt-125m": memory(GPT_125M, None), "llama": memory(LLAMA, None)}}
+            "memory": {"gpt-125m": memory(GPT_125M), "llama": memory(LLAMA)}}
 
 
 def four_ranks(rank: int, world: int) -> dict:
-    return {"memory": {"gpt-125m": memory(GPT_125M, None), "llama": memory(LLAMA, None)}}
+    keep_freed_host_memory()
+    return {"layouts": layouts(rank, world), "memory": {"gpt-125m": memory(GPT_125M), "llama": memory(LLAMA)}}
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +272,14 @@ def dp2() -> list[dict]:
 @pytest.fixture(scope="module")
 def dp4() -> list[dict]:
     return run_ranks(four_ranks, 4, timeout_s=300)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_stage3_trains_bitwise_as_stage2_with_tensor_and_pipeline_parallelism(dp4, layout):
+    for rank, result in enumerate(dp4):
+        r = result["layouts"][layout]
+        assert r["steps"] == LAYOUTS[layout][3]
+        assert r["same_steps"] and r["same_state"], f"rank {rank}: {r}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -241,3 +321,40 @@ def test_parameter_bytes_at_peak_are_the_shards_and_two_units(request, model, wo
         assert m["shards"] <= m["full"] / world + 4 * world * m["buckets"]
         assert m["peak"] <= m["shards"] + m["two_largest"], f"rank {rank}: {m}"
         assert m["peak"] == pytest.approx(m["plan"], rel=0.05), f"rank {rank}: mshpc plan's figure"
+
+
+# ---------------------------------------------------------------- under a memory cap
+
+# 25M parameters, in units of 3M: at dp 2 stage 2 keeps 14 bytes a parameter (weights, gradients,
+# half the masters and moments) and more while it builds; stage 3 about 11 (its shards, its
+# moments, the units in flight)
+CAPPED = ModelConfig(vocab_size=512, seq_len=16, n_layer=8, n_head=4, d_model=512)
+CAP_BYTES_PER_PARAM = 14
+
+
+def data_bytes() -> int:
+    """What RLIMIT_DATA caps: the process's private writable memory (heap and anonymous maps)."""
+    status = open("/proc/self/status").read()
+    return int(status.split("VmData:")[1].split()[0]) * 1024
+
+
+def train_capped(rank: int, world: int, stage: int) -> list[float]:
+    """Build and train CAPPED under a cap of CAP_BYTES_PER_PARAM per parameter over what this
+    rank holds before it starts. Big buffers are mapped and unmapped by malloc (glibc's 1 MiB
+    threshold), so that what the cap sees is what is live, not the heap's high-water mark."""
+    ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(CAPPED).parameters())
+    resource.setrlimit(resource.RLIMIT_DATA, (data_bytes() + CAP_BYTES_PER_PARAM * params, resource.RLIM_INFINITY))
+    # stage 2 in private buffers: memory mapped from /dev/shm would escape the cap
+    engine = engine_for(CAPPED, stage, settings={"dp_shared_memory": False}, lr=1e-4)
+    losses = [engine_step(engine, 0, batch=2)[0] for _ in range(3)]  # one batch again: its loss must fall
+    engine.wait_params()
+    return losses
+
+
+def test_a_model_whose_stage2_footprint_exceeds_the_cap_trains_at_stage3_under_it():
+    with pytest.raises(RankError, match="can't allocate memory"):
+        run_ranks(train_capped, 2, 2, timeout_s=120)
+    losses = run_ranks(train_capped, 2, 3, timeout_s=120)[0]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

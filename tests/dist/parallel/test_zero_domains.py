@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from support.rank_runner import run_ranks
 from torch import nn
 
 from mshpc.config import OptimConfig, ParallelConfig
@@ -19,7 +20,6 @@ from mshpc.optim.optimizer import build_optimizer
 from mshpc.parallel import comm
 from mshpc.parallel.zero import ShardDomain, ZeroEngine
 from mshpc.parallel.zero_build import build_zero_engine
-from support.rank_runner import run_ranks
 
 DP, EP = 4, 2
 PER_RANK = 2  # samples per dp rank and step
@@ -90,9 +90,10 @@ def expert_domain(rank: int) -> ShardDomain:
     return ShardDomain(frozenset(EXPERT), groups[e], placement)
 
 
-def engine_for(name: str, rank: int, domain: ShardDomain, shared: bool, seed: int | None = None) -> ZeroEngine:
+def engine_for(name: str, rank: int, domain: ShardDomain, shared: bool, seed: int | None = None,
+               stage: int = 2) -> ZeroEngine:
     # each rank draws its own weights: the engine must start every parameter from its group's first rank
-    parallel = ParallelConfig(dp=DP, bucket_mb=256 / 2**20, dp_shared_memory=shared)
+    parallel = ParallelConfig(dp=DP, bucket_mb=256 / 2**20, dp_shared_memory=shared, zero_stage=stage)
     return build_zero_engine(Toy(rank if seed is None else seed), optim_cfg(name), parallel, domains=(domain,))
 
 
@@ -126,9 +127,9 @@ def ref_tensors(ref: Reference) -> dict[str, torch.Tensor]:
     return out
 
 
-def case(rank: int, name: str, shared: bool) -> dict:
+def case(rank: int, name: str, shared: bool, stage: int = 2) -> dict:
     domain = expert_domain(rank)
-    engine = engine_for(name, rank, domain, shared)
+    engine = engine_for(name, rank, domain, shared, stage=stage)
     mixed = [b for b in engine.buckets if 0 < len(bucket_names(engine, b) & set(EXPERT)) < len(b.layout.slots)]
     own_group = all(b.group is domain.group for b in engine.buckets if bucket_names(engine, b) & set(EXPERT))
     steps = [engine_step(engine, s, rank) for s in range(STEPS)]
@@ -139,7 +140,7 @@ def case(rank: int, name: str, shared: bool) -> dict:
     want = ref_tensors(ref_after)
     # resume: a fresh engine drawn from other weights loads the assembled checkpoint, and the
     # next step is the reference's
-    fresh = engine_for(name, rank, domain, shared, seed=7 + rank)
+    fresh = engine_for(name, rank, domain, shared, seed=7 + rank, stage=stage)
     tensors = {n: torch.tensor(e["data"]) for n, e in whole.items()}
     fresh.load_state_slices(lambda n, start, numel: tensors[n][start:start + numel])
     resumed_loss, _ = engine_step(fresh, STEPS, rank)
@@ -163,7 +164,9 @@ def bucket_names(engine: ZeroEngine, bucket) -> set[str]:
 
 
 def domains(rank: int, world: int) -> dict:
-    return {"adamw": case(rank, "adamw", shared=True), "lamb": case(rank, "lamb", shared=False)}
+    # stage 3: the toy has no blocks, so it is one unit, whose experts gather over their own group
+    return {"adamw": case(rank, "adamw", shared=True), "lamb": case(rank, "lamb", shared=False),
+            "stage3": case(rank, "adamw", shared=False, stage=3)}
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +174,7 @@ def ranks() -> list[dict]:
     return run_ranks(domains, DP, timeout_s=120)
 
 
-@pytest.mark.parametrize("name", ["adamw", "lamb"])
+@pytest.mark.parametrize("name", ["adamw", "lamb", "stage3"])
 def test_experts_sharded_over_their_own_group_train_as_one_process(ranks, name):
     for rank, result in enumerate(ranks):
         r = result[name]
@@ -183,7 +186,7 @@ def test_experts_sharded_over_their_own_group_train_as_one_process(ranks, name):
         assert r["expert_diff"] < 1e-5, f"rank {rank}: its own expert"
 
 
-@pytest.mark.parametrize("name", ["adamw", "lamb"])
+@pytest.mark.parametrize("name", ["adamw", "lamb", "stage3"])
 def test_checkpoint_holds_every_expert_by_global_index_once_and_resumes(ranks, name):
     for rank, result in enumerate(ranks):
         r = result[name]
