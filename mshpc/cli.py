@@ -150,7 +150,7 @@ def _add_diagnose(sub: argparse._SubParsersAction) -> None:
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="predict memory, step time and MFU of every parallel layout",
-        description="For every valid (dp, tp, pp, virtual stages, micro-batch, recomputation) layout "
+        description="For every valid (dp, tp, pp, virtual stages, micro-batch, recomputation, ZeRO stage) layout "
         "of --gpus GPUs at the config's global batch (train.micro_batch*train.grad_accum*parallel.dp): "
         "memory per GPU, whether it fits, predicted step time and MFU, best first.",
     )

@@ -5,9 +5,9 @@ undisturbed stage-3 run ends (stage 3 trains bitwise as stage 2: tests/dist/para
 
 import numpy as np
 import pytest
+from support.cli_runner import mshpc, read_metrics, train_args
 
 from mshpc.checkpoint.model_copy import read_model_copy
-from support.cli_runner import mshpc, read_metrics, train_args
 
 STEPS = 12
 SAVES = ["checkpoint.interval_steps=4", f"train.steps={STEPS}", "supervisor.max_restarts=0",

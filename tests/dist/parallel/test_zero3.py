@@ -23,7 +23,6 @@ from support.rank_runner import RankError, run_ranks
 
 from mshpc.batch import Batch
 from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
-from mshpc.host_memory import keep_freed_host_memory
 from mshpc.mesh_shape import MeshShape
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel import comm
@@ -254,13 +253,11 @@ def layouts(rank: int, world: int) -> dict:
 
 
 def two_ranks(rank: int, world: int) -> dict:
-    keep_freed_host_memory()  # as a CPU run's parallelize does: freed buffers stay in the heap
     return {"parity": parity(rank, world), "traffic": traffic(rank, world), "order": gather_order(rank, world),
             "memory": {"gpt-125m": memory(GPT_125M), "llama": memory(LLAMA)}}
 
 
 def four_ranks(rank: int, world: int) -> dict:
-    keep_freed_host_memory()
     return {"layouts": layouts(rank, world), "memory": {"gpt-125m": memory(GPT_125M), "llama": memory(LLAMA)}}
 
 

@@ -7,17 +7,17 @@ import sys
 
 import pytest
 import torch
+from support.cli_runner import REPO
 
-from mshpc.config import ModelConfig, load_config
+from mshpc.config import ModelConfig, global_batch, load_config
 from mshpc.errors import ConfigError
 from mshpc.model.gpt import GPT
+from mshpc.parallel.zero3 import block_units, build_units
 from mshpc.plan.devices import DEVICES
 from mshpc.plan.layout import Layout, enumerate_layouts
 from mshpc.plan.memory import GIB, memory, stage_params, stage_units, zero3_param_bytes
 from mshpc.plan.report import plan
 from mshpc.plan.steptime import dp_bytes
-from mshpc.parallel.zero3 import block_units, build_units
-from support.cli_runner import REPO
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 
@@ -109,16 +109,20 @@ def test_stage3_keeps_shards_and_two_neighbouring_units():
 
 def test_stage3_carries_one_and_a_half_times_stage2s_bytes_per_micro_batch():
     lay = Layout(2, 1, 1, 1, 1, 1, "none")
-    assert dp_bytes(GPT_125M, dataclasses.replace(lay, zero_stage=3)) == 1.5 * dp_bytes(GPT_125M, lay)
-    four = dataclasses.replace(lay, n_micro=4, zero_stage=3)
-    assert dp_bytes(GPT_125M, four) == (1 + 2 * 4) / 2 * dp_bytes(GPT_125M, lay)  # a gather pair per micro-batch
+
+    def carried(layout: Layout) -> float:
+        return dp_bytes(layout, model_cfg=GPT_125M.model, parallel=GPT_125M.parallel)
+
+    assert carried(dataclasses.replace(lay, zero_stage=3)) == 1.5 * carried(lay)
+    # a gather pair per micro-batch: stage 2's bytes (a reduce-scatter, a gather) times (1 + 2 * 4) / 2
+    assert carried(dataclasses.replace(lay, n_micro=4, zero_stage=3)) == (1 + 2 * 4) / 2 * carried(lay)
 
 
 def test_plan_weighs_both_stages_and_stage3_fits_where_stage2_cannot():
-    layouts = enumerate_layouts(LLAMA_8B, 8, 8)
+    parallel = dataclasses.replace(LLAMA_8B.parallel, dp=8, tp=1)
+    layouts = enumerate_layouts(8, 8, model_cfg=LLAMA_8B.model, global_batch=global_batch(LLAMA_8B.train, parallel))
     assert {lay.zero_stage for lay in layouts} == {2, 3}
-    dev = DEVICES["h100"]
-    rows = plan(dataclasses.replace(LLAMA_8B, parallel=dataclasses.replace(LLAMA_8B.parallel, dp=8, tp=1)), 8, dev, 8)
+    rows = plan(8, DEVICES["h100"], 8, model_cfg=LLAMA_8B.model, parallel=parallel, train=LLAMA_8B.train)
     fit = {(p.layout.tp, p.layout.pp, p.layout.zero_stage) for p in rows if p.fits}
     # Llama 3 8B on one node of 8 H100s, data parallel only: stage 2 holds 16 bytes a weight
     # whole (128 GiB), stage 3 its shards and two layers
