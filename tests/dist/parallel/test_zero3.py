@@ -23,6 +23,7 @@ from support.rank_runner import RankError, run_ranks
 
 from mshpc.batch import Batch
 from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.launch.runtime import Runtime
 from mshpc.mesh_shape import MeshShape
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.parallel import comm
@@ -33,7 +34,7 @@ from mshpc.parallel.zero3 import block_units
 from mshpc.parallel.zero_build import build_zero_engine
 from mshpc.plan.layout import Layout
 from mshpc.plan.memory import zero3_param_bytes
-from mshpc.train import Runtime, build_model_step
+from mshpc.train import build_model_step
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 LLAMA_TINY = dataclasses.replace(TINY, mlp="swiglu", norm="rmsnorm", n_head=4, n_kv_head=2, tie_embeddings=False,
