@@ -111,10 +111,10 @@ def stage_units(m: ModelConfig, layout: Layout, stage: int, blocks_per_unit: int
     lm head on the last; the tied embedding at pp = 1 is one unit with the final norm, used first
     and last."""
     chunk = m.n_layer // (layout.pp * layout.virtual_stages)
-    units = []
+    units: list[float] = []
     for c in range(layout.virtual_stages):
-        first = (c * layout.pp + stage) * chunk
-        blocks = [block_params(m, layout, m.is_moe_layer(i)) for i in range(first, first + chunk)]
+        start = (c * layout.pp + stage) * chunk
+        blocks = [block_params(m, layout, m.is_moe_layer(i)) for i in range(start, start + chunk)]
         units += [sum(blocks[i:i + blocks_per_unit]) for i in range(0, chunk, blocks_per_unit)]
     table = m.vocab_size * m.d_model / layout.tp
     if layout.pp == 1 and m.tie_embeddings:
