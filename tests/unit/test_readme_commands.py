@@ -1,11 +1,12 @@
 """Every shell command in README.md runs as written on a fresh clone: the cheap ones are run here
-(`--help`, `plan`, `prepare` on a small folder), in a scratch folder that has the checkout's
+(`--help`, `plan`, `prepare` and `tokenizer train` on small inputs), in a scratch folder that has the checkout's
 configs/; every other one is matched by a rule below that says why it is not run here and which
 test runs its kind instead. A README command that no rule names fails, so a new one is classified
 when it is added. Links from README.md and docs/ to files of the checkout must resolve."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -14,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.bpe import train_bpe
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -66,7 +66,8 @@ def rule_for(command: str) -> str | None:
     for prefix, why in SKIPPED:
         if tuple(words[:len(prefix)]) == prefix:
             return why
-    if words[0] == "mshpc" and (words[1:2] in (["plan"], ["prepare"]) or "--help" in words):
+    if words[0] == "mshpc" and (words[1:2] in (["plan"], ["prepare"]) or words[1:3] == ["tokenizer", "train"]
+                                or "--help" in words):
         return None
     raise KeyError(command)
 
@@ -89,14 +90,18 @@ def test_every_readme_command_is_run_here_or_skipped_for_a_stated_reason():
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Path:
-    """A folder like a fresh clone's root for the commands: configs/, a few text files, a BPE file."""
+    """A folder like a fresh clone's root for the commands: configs/, a few text files, JSONL
+    records. The commands run in the README's order, so a later one may read what an
+    earlier one wrote (`mshpc prepare --tokenizer tok/` after `mshpc tokenizer train --out tok/`)."""
     root = tmp_path_factory.mktemp("readme")
     (root / "configs").symlink_to(REPO / "configs")
     texts = root / "my_texts"
     texts.mkdir()
     for i in range(200):  # enough documents that a 1% held-out split is not empty
         (texts / f"doc{i}.txt").write_text(f"document {i}: def f(x): return x + {i}\n" * 3)
-    train_bpe(root / "tokenizer.json", ["<|endoftext|>"])
+    with (root / "corpus.jsonl").open("w") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": f"record {i}: def f(x): return x * {i}\n" * 3}) + "\n")
     return root
 
 
