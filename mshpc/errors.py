@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import reprlib
 import shutil
 import sys
 from collections.abc import Iterator
@@ -46,6 +47,24 @@ class KernelError(MshpcError):
 class RunEnvironmentError(MshpcError):
     """Where the run writes cannot take it (a full disk, a used-up quota): neither the config nor
     the node is at fault, so the supervisor neither retries nor evicts; the CLI exits 2."""
+
+
+# A bounded repr: a few items per level, a few levels, long strings cut. A value read from a file
+# may be megabytes, or (YAML aliases) a tree whose plain repr would not fit in memory.
+_SHOWN = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHOWN.maxlevel = 3
+_SHOWN.maxtuple = _SHOWN.maxlist = _SHOWN.maxarray = _SHOWN.maxdict = _SHOWN.maxset = _SHOWN.maxfrozenset = 4
+_SHOWN.maxdeque = 4
+_SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 60, 40, 60
+
+
+def shown(value: object, limit: int = 100) -> str:
+    """`value`'s repr for an error message, at most `limit` characters whatever its size."""
+    try:
+        text = _SHOWN.repr(value)
+    except ValueError:  # an integer past Python's digit limit for str()
+        text = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else f"<a {type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def print_error(exc: MshpcError) -> None:

@@ -20,7 +20,9 @@ from typing import Any
 from mshpc.checkpoint.manifest import (
     INDEX_FILE,
     INDEX_FORMAT,
+    INDEX_MAX_BYTES,
     MANIFEST_FILE,
+    MANIFEST_MAX_BYTES,
     VERSION,
     Manifest,
     ManifestHead,
@@ -31,7 +33,8 @@ from mshpc.checkpoint.manifest import (
     parse_head_json,
     read_manifest,
 )
-from mshpc.errors import CheckpointError
+from mshpc.errors import CheckpointError, shown
+from mshpc.regular_files import open_regular, read_regular
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +98,26 @@ class Catalog:
     def _parse_runs(self, names: list[str]) -> dict[str, list[TensorEntry]]:
         assert self._runs is not None
         runs = sorted(run for n in names for run in self._runs[n])
+        if any(a[0] + a[1] > b[0] for a, b in zip(runs, runs[1:], strict=False)):  # no byte is read twice
+            raise CheckpointError("its ranges overlap")
         got: dict[str, list[TensorEntry]] = {}
         try:
-            with open(self.folder / MANIFEST_FILE, "rb") as f:
-                texts = [(offset, os.pread(f.fileno(), nbytes, offset)) for offset, nbytes in _coalesce(runs)]
+            fd = open_regular(self.folder / MANIFEST_FILE)
+            try:
+                texts = [(offset, os.pread(fd, nbytes, offset)) for offset, nbytes in _coalesce(runs)]
+            finally:
+                os.close(fd)
         except OSError as exc:
             raise CheckpointError(f"the manifest is unreadable ({exc})") from None
         for offset, text in texts:
             self.bytes_parsed += len(text)
             try:
-                for e in map(entry_from_json, json.loads(b"[" + text + b"]")):
-                    got.setdefault(e.name, []).append(e)
-            except (ValueError, KeyError, TypeError) as exc:
+                parsed = json.loads(b"[" + text + b"]")
+            except (ValueError, RecursionError) as exc:
                 raise CheckpointError(f"bytes {offset}-{offset + len(text)} of the manifest are no entries "
-                                      f"({type(exc).__name__}: {exc})") from None
+                                      f"({type(exc).__name__})") from None
+            for e in map(entry_from_json, parsed):
+                got.setdefault(e.name, []).append(e)
         counts = {n: sum(run[2] for run in self._runs[n]) for n in names}
         if set(got) != set(names) or any(len(got[n]) != counts[n] for n in names):
             raise CheckpointError("it does not match the manifest (another name or count in its ranges)")
@@ -153,9 +162,12 @@ def open_catalog(folder: Path) -> Catalog:
         return Catalog.whole(folder, m, bytes_parsed=(folder / MANIFEST_FILE).stat().st_size)
     path = folder / MANIFEST_FILE
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            text = os.pread(f.fileno(), head_bytes, 0)
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            text = os.pread(fd, head_bytes, 0) if size == manifest_bytes else b""  # head_bytes <= manifest_bytes
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (an incomplete checkpoint)") from None
     except OSError as exc:
@@ -174,17 +186,30 @@ def _index_bytes(folder: Path) -> int:
 
 def _read_index(folder: Path) -> tuple[dict[str, list[Run]] | None, int, int]:
     """The index's runs by name, head bytes and manifest bytes; (None, 0, 0) when there is no
-    usable index (an older checkpoint: not an error, the manifest is read whole)."""
+    usable index (an older checkpoint: not an error, the manifest is read whole). Every number is
+    checked against the manifest's size before anything is read or allocated by it."""
     path = folder / INDEX_FILE
     try:
-        raw: Any = json.loads(path.read_bytes())
-        if raw.get("format") != INDEX_FORMAT or raw.get("version") != VERSION:
+        raw: Any = json.loads(read_regular(path, INDEX_MAX_BYTES))
+        if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT or raw.get("version") != VERSION:
             raise ValueError(f"not an {INDEX_FORMAT} v{VERSION} file")
-        runs = {str(n): [(int(o), int(b), int(c)) for o, b, c in r] for n, r in raw["names"].items()}
-        return runs, int(raw["head_bytes"]), int(raw["manifest_bytes"])
+        manifest_bytes, head_bytes = raw["manifest_bytes"], raw["head_bytes"]
+        if not (type(manifest_bytes) is int and 0 < manifest_bytes <= MANIFEST_MAX_BYTES
+                and type(head_bytes) is int and 0 < head_bytes < manifest_bytes):
+            raise ValueError(f"head_bytes={shown(head_bytes)} and manifest_bytes={shown(manifest_bytes)} are not "
+                             f"sizes of a manifest (at most {MANIFEST_MAX_BYTES} bytes)")
+        return {str(n): _runs(r, manifest_bytes) for n, r in raw["names"].items()}, head_bytes, manifest_bytes
     except FileNotFoundError:
         return None, 0, 0
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning("%s: unusable (%s); reading the whole manifest", path, exc)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        log.warning("%s: unusable (%s); reading the whole manifest", path, str(exc)[:200])
         return None, 0, 0
 
+
+def _runs(raw: Any, manifest_bytes: int) -> list[Run]:
+    """A name's runs, each [offset, bytes, entries] of integers inside the manifest; ValueError otherwise."""
+    runs = [(o, b, c) for o, b, c in raw]
+    if not all(type(x) is int for run in runs for x in run) or not all(
+            0 <= o and 0 < b and 0 < c and o + b <= manifest_bytes for o, b, c in runs):
+        raise ValueError(f"runs {shown(raw)} lie outside the manifest's {manifest_bytes} bytes")
+    return runs

@@ -19,6 +19,7 @@ import torch
 
 from mshpc.checkpoint.manifest import TensorEntry
 from mshpc.errors import CheckpointError
+from mshpc.regular_files import fd_path, open_regular
 from mshpc.tensor_slice import TensorSlice
 
 # torch dtype name -> (numpy storage dtype, torch dtype)
@@ -39,6 +40,18 @@ def dtype_name(t: torch.Tensor) -> str:
     if name not in _CODEC:
         raise CheckpointError(f"tensors of dtype {name} cannot be checkpointed (choose {', '.join(_CODEC)})")
     return name
+
+
+def check_finite(t: torch.Tensor, where: str) -> None:
+    """A one-line CheckpointError when the flat tensor `t` holds a NaN or an infinity: weights or
+    optimizer state of a diverged step (or a crafted file), never a state to save or resume from.
+    Checked in pieces, so the check allocates a few MiB whatever the tensor's size."""
+    if not t.is_floating_point():
+        return
+    for lo in range(0, t.numel(), FINITE_CHECK_ELEMENTS):
+        if not bool(torch.isfinite(t[lo:lo + FINITE_CHECK_ELEMENTS]).all()):
+            raise CheckpointError(f"{where}: holds NaN or Inf values (a diverged state, not one to save or "
+                                  "resume from)")
 
 
 def itemsize(name: str) -> int:
@@ -64,6 +77,7 @@ def from_bytes(data: memoryview, dtype: str) -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.uint8).view(torch_dtype(dtype))
 
 
+FINITE_CHECK_ELEMENTS = 2**22
 # HDF5 headers and object metadata per dataset, with room to spare (measured: ~1 KiB each).
 _OVERHEAD_BYTES = 64 * 1024
 _PER_DATASET_BYTES = 4 * 1024
@@ -159,45 +173,58 @@ def write_shard(path: Path, items: dict[str, TensorSlice]) -> list[TensorEntry]:
         ]
 
 
-def rewrite_data(path: Path, offset: int, data: np.ndarray) -> None:
-    """Overwrite a contiguous dataset's bytes in place, at `offset` of the shard `path`, and
-    fsync: its HDF5 metadata stays as it is."""
-    fd = os.open(path, os.O_WRONLY)
+def rewrite_dataset(folder: Path, e: TensorEntry, data: np.ndarray) -> None:
+    """Overwrite entry `e`'s bytes in its shard with `data`, and fsync: only once the shard's own
+    HDF5 metadata says that a contiguous dataset of the entry's name, size and storage dtype
+    starts at the entry's offset, so a crafted manifest cannot aim the write anywhere else. The
+    shard is opened once, without following a link, and checked and written through that one
+    descriptor."""
+    path = folder / e.file
     try:
+        fd = open_regular(path, os.O_RDWR)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot open shard ({exc.strerror})") from None
+    try:
+        check_datasets(path, [e], fd_path(fd))
+        offset = e.offset if e.offset is not None else dataset_offsets(path, fd_path(fd)).get(e.dataset)
+        if offset is None or data.nbytes != e.numel * itemsize(e.dtype):
+            raise CheckpointError(f"{path}:{e.dataset}: no place of {e.numel} x {e.dtype} to rewrite {e.name!r} in")
         _pwrite_all(fd, data.reshape(-1).data.cast("B"), offset)
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def dataset_offsets(path: Path) -> dict[str, int | None]:
+def _open_h5(path: Path, open_path: str | None) -> h5py.File:
+    try:
+        return h5py.File(open_path or path, "r")
+    except OSError as exc:
+        raise CheckpointError(f"{path}: not a readable HDF5 shard ({exc})") from None
+
+
+def dataset_offsets(path: Path, open_path: str | None = None) -> dict[str, int | None]:
     """Every dataset of a shard and where its contiguous data starts (None: chunked, compact or
-    empty), from the file's own HDF5 metadata."""
+    empty), from the file's own HDF5 metadata; `open_path`: where to open it (a checked
+    descriptor's, regular_files.fd_path), `path` for messages."""
     out: dict[str, int | None] = {}
 
     def visit(name: str, obj: object) -> None:
         if isinstance(obj, h5py.Dataset):
             out[name] = obj.id.get_offset() if obj.chunks is None else None
 
-    try:
-        with h5py.File(path, "r") as f:
-            f.visititems(visit)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: not a readable HDF5 shard ({exc})") from None
+    with _open_h5(path, open_path) as f:
+        f.visititems(visit)
     return out
 
 
-def check_datasets(path: Path, entries: list[TensorEntry]) -> None:
-    """The shard's HDF5 metadata must describe what the manifest says: each entry a dataset of
-    its size and storage dtype whose data starts at the recorded offset."""
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise CheckpointError(f"{path}: not a readable HDF5 shard ({exc})") from None
-    with f:
+def check_datasets(path: Path, entries: list[TensorEntry], open_path: str | None = None) -> None:
+    """The shard's HDF5 metadata must describe what the manifest says: each entry a contiguous
+    dataset of its size and storage dtype whose data starts at the recorded offset."""
+    with _open_h5(path, open_path) as f:
         for e in entries:
             dset = f.get(e.dataset)
-            if not isinstance(dset, h5py.Dataset) or dset.size != e.numel or dset.dtype != _CODEC[e.dtype][0]:
+            if (not isinstance(dset, h5py.Dataset) or dset.size != e.numel or dset.dtype != _CODEC[e.dtype][0]
+                    or dset.chunks is not None):
                 raise CheckpointError(f"{path}:{e.dataset}: the HDF5 dataset does not match the manifest's "
                                       f"{e.numel} x {e.dtype} tensor {e.name!r}")
             if e.offset is not None and e.numel and dset.id.get_offset() != e.offset:

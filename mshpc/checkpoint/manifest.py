@@ -31,12 +31,14 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mshpc.checkpoint.paths import fsync_dir
-from mshpc.errors import CheckpointError
+from mshpc.errors import CheckpointError, shown
+from mshpc.regular_files import read_regular
 
 FORMAT = "mshpc-checkpoint"
 VERSION = 1
@@ -174,13 +176,61 @@ def replace_manifest(folder: Path, m: Manifest) -> None:
         fsync_dir(folder)  # the rename itself
 
 
-def entry_from_json(raw: dict[str, Any]) -> TensorEntry:
-    return TensorEntry(
-        name=str(raw["name"]), global_shape=tuple(int(d) for d in raw["global_shape"]),
-        dtype=str(raw["dtype"]), file=str(raw["file"]), dataset=str(raw["dataset"]),
-        start=int(raw["start"]), numel=int(raw["numel"]), crc32=int(raw["crc32"]),
-        offset=None if raw.get("offset") is None else int(raw["offset"]),
-    )
+# What an entry may say. A manifest may come from elsewhere (a checkpoint someone else wrote): its
+# file names are confined to the saver's own pattern, so no entry reaches outside its folder; its
+# dataset is the tensor's own name; every number is bounded before anything is allocated for it.
+SHARD_FILE = re.compile(r"shard-[0-9]{5,9}\.h5")  # saver.py's _shard_name(rank)
+TENSOR_NAME = re.compile(r"[A-Za-z0-9_.@-]+(/[A-Za-z0-9_.@-]+)*")  # parameter names, '/'-joined
+NAME_MAX = 512
+ITEMSIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
+DIMS_MAX = 16
+ELEMENTS_MAX = 2**48  # per tensor: 1 PiB of fp32, past any model here
+OFFSET_MAX = 2**62
+MANIFEST_MAX_BYTES = 2**32  # 428 MB at 12,288 ranks (catalog.py)
+INDEX_MAX_BYTES = 2**30
+
+
+def _count(raw: dict[str, Any], key: str, high: int) -> int:
+    value = raw.get(key)
+    if type(value) is not int or not 0 <= value <= high:
+        raise CheckpointError(f"{key}={shown(value)} is not an integer in [0, {high}]")
+    return value
+
+
+def _check_name(name: Any) -> str:
+    if type(name) is not str or len(name) > NAME_MAX or not TENSOR_NAME.fullmatch(name):
+        raise CheckpointError(f"entry name={shown(name)}: not a tensor name ('/'-joined parts of letters, "
+                              f"digits and _.@-, at most {NAME_MAX} characters)")
+    return name
+
+
+def entry_from_json(raw: Any) -> TensorEntry:
+    """One manifest entry, checked: a one-line CheckpointError naming the entry and its bad field."""
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"entry {shown(raw)}: not an object")
+    name = _check_name(raw.get("name"))
+    try:
+        shape = raw.get("global_shape")
+        if not isinstance(shape, list) or len(shape) > DIMS_MAX:
+            raise CheckpointError(f"global_shape={shown(shape)} is not a list of at most {DIMS_MAX} sizes")
+        dims = tuple(_count({"global_shape[]": d}, "global_shape[]", ELEMENTS_MAX) for d in shape)
+        if math.prod(dims) > ELEMENTS_MAX:
+            raise CheckpointError(f"global_shape={list(dims)} has more than {ELEMENTS_MAX} elements")
+        dtype, file, dataset = raw.get("dtype"), raw.get("file"), raw.get("dataset")
+        if type(dtype) is not str or dtype not in ITEMSIZES:
+            raise CheckpointError(f"dtype={shown(dtype)} is not one of {', '.join(ITEMSIZES)}")
+        if type(file) is not str or not SHARD_FILE.fullmatch(file):
+            raise CheckpointError(f"file={shown(file)} is not a shard of this folder (shard-NNNNN.h5)")
+        if dataset != name:
+            raise CheckpointError(f"dataset={shown(dataset)} is not the tensor's own name")
+        start, numel = _count(raw, "start", ELEMENTS_MAX), _count(raw, "numel", ELEMENTS_MAX)
+        if start + numel > math.prod(dims):
+            raise CheckpointError(f"elements [{start}, {start + numel}) lie outside its {math.prod(dims)}")
+        offset = None if raw.get("offset") is None else _count(raw, "offset", OFFSET_MAX)
+        return TensorEntry(name=name, global_shape=dims, dtype=dtype, file=file, dataset=dataset, start=start,
+                           numel=numel, crc32=_count(raw, "crc32", 2**32 - 1), offset=offset)
+    except CheckpointError as exc:
+        raise CheckpointError(f"entry {name!r}: {exc}") from None
 
 
 def read_manifest(folder: Path) -> Manifest:
@@ -191,7 +241,7 @@ def read_manifest(folder: Path) -> Manifest:
 def read_manifest_text(folder: Path) -> str:
     path = folder / MANIFEST_FILE
     try:
-        return path.read_text()
+        return read_regular(path, MANIFEST_MAX_BYTES).decode("ascii")
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (an incomplete checkpoint)") from None
     except (OSError, ValueError) as exc:
@@ -203,10 +253,12 @@ def parse_manifest(folder: Path, text: str) -> Manifest:
     path = folder / MANIFEST_FILE
     raw = parse_head_json(path, text)
     head = head_from_json(path, raw)
+    if not isinstance(raw.get("tensors"), list):
+        raise CheckpointError(f"{path}: malformed (no list of tensors)")
     try:
         tensors = tuple(entry_from_json(t) for t in raw["tensors"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: malformed {exc}") from None
     m = Manifest(step=head.step, config_hash=head.config_hash, layout=head.layout, tensors=tensors,
                  extras=head.extras, created_unix=head.created_unix)
     check_tiling(m.by_name(), path)
@@ -217,20 +269,31 @@ def parse_head_json(path: Path, text: str) -> dict[str, Any]:
     """The manifest's JSON object (or its head alone), checked for format and version."""
     try:
         raw = json.loads(text)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's depth
+        raise CheckpointError(f"{path}: unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
         raise CheckpointError(f"{path}: not an {FORMAT} v{VERSION} manifest")
     return raw
 
 
 def head_from_json(path: Path, raw: dict[str, Any]) -> ManifestHead:
+    """The manifest's head, checked: a one-line CheckpointError naming the file and the field."""
     try:
-        return ManifestHead(step=int(raw["step"]), config_hash=str(raw["config_hash"]),
-                            layout={k: int(v) for k, v in raw["layout"].items()},
-                            extras=dict(raw.get("extras", {})), created_unix=float(raw.get("created_unix", 0.0)))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+        layout, extras, created = raw.get("layout"), raw.get("extras", {}), raw.get("created_unix", 0.0)
+        if not isinstance(layout, dict) or len(layout) > DIMS_MAX:
+            raise CheckpointError(f"layout={shown(layout)} is not an object of sizes")
+        if not isinstance(extras, dict):
+            raise CheckpointError(f"extras={shown(extras)} is not an object")
+        if type(created) not in (int, float) or not math.isfinite(created):
+            raise CheckpointError(f"created_unix={shown(created)} is not a time")
+        config_hash = raw.get("config_hash")
+        if type(config_hash) is not str or len(config_hash) > NAME_MAX:
+            raise CheckpointError(f"config_hash={shown(config_hash)} is not a hash")
+        return ManifestHead(step=_count(raw, "step", ELEMENTS_MAX), config_hash=config_hash,
+                            layout={str(k): _count(layout, k, ELEMENTS_MAX) for k in layout},
+                            extras=extras, created_unix=float(created))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: malformed head: {exc}") from None
 
 
 def check_tiling(by_name: dict[str, list[TensorEntry]], path: Path) -> None:
@@ -239,8 +302,9 @@ def check_tiling(by_name: dict[str, list[TensorEntry]], path: Path) -> None:
         total = math.prod(entries[0].global_shape)
         covered = 0
         for e in sorted(entries, key=lambda e: e.start):
-            if e.start != covered or e.global_shape != entries[0].global_shape:
-                raise CheckpointError(f"{path}: tensor {name!r} slices overlap or leave a gap at {covered}")
+            if e.start != covered or (e.global_shape, e.dtype) != (entries[0].global_shape, entries[0].dtype):
+                raise CheckpointError(f"{path}: tensor {name!r} slices overlap, leave a gap at {covered} "
+                                      "or disagree on its shape or dtype")
             covered = e.stop
         if covered != total:
             raise CheckpointError(f"{path}: tensor {name!r} covers {covered} of {total} elements")

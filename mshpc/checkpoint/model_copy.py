@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mshpc.checkpoint.catalog import Catalog
-from mshpc.checkpoint.h5_shard import rewrite_data, to_numpy, torch_dtype
+from mshpc.checkpoint.h5_shard import rewrite_dataset, to_numpy, torch_dtype
 from mshpc.checkpoint.manifest import Manifest, TensorEntry, read_manifest, replace_manifest
 from mshpc.checkpoint.reader import CheckpointReader
 from mshpc.checkpoint.relayout import Relayout
@@ -103,7 +103,7 @@ def rebuild(reader: CheckpointReader, e: TensorEntry, problem: str) -> Repair:
     try:
         master = reader.read(f"master/{e.name.removeprefix(MODEL)}", e.start, e.numel)
         data = to_numpy(master.to(torch_dtype(e.dtype)).contiguous())  # as the all-gather casts them
-        rewrite_data(reader.folder / e.file, reader.data_offset(e), data)
+        rewrite_dataset(reader.folder, e, data)
     except (CheckpointError, OSError) as exc:
         return Repair(e.name, e.file, e.dataset, problem, None, str(exc))
     return Repair(e.name, e.file, e.dataset, problem, zlib.crc32(data.data.cast("B")))

@@ -13,6 +13,7 @@ from mshpc.checkpoint.h5_shard import check_datasets, from_bytes, torch_dtype
 from mshpc.checkpoint.manifest import Manifest, TensorEntry
 from mshpc.checkpoint.shard_read import ReadStats, ShardFiles, entry_nbytes, read_entries
 from mshpc.errors import CheckpointError
+from mshpc.regular_files import fd_path
 
 # (tensor name, first flat element, element count): a range of a global tensor someone needs.
 Request = tuple[str, int, int]
@@ -106,10 +107,6 @@ class CheckpointReader:
         return sum(len(b) for batch in _batches(entries, VERIFY_BATCH_BYTES)
                    for b in read_entries(self._files, batch, self.stats))
 
-    def data_offset(self, e: TensorEntry) -> int:
-        """Where the entry's bytes start in its shard file."""
-        return self._files.offset(e)
-
     def verify_all(self) -> int:
         """Read and check every entry, and that each shard's HDF5 metadata agrees with the
         manifest; return the bytes verified. Nothing stays held."""
@@ -118,7 +115,7 @@ class CheckpointReader:
             by_file[e.file].append(e)
         total = 0
         for file, entries in sorted(by_file.items()):
-            check_datasets(self.folder / file, entries)
+            check_datasets(self.folder / file, entries, fd_path(self._files.fds(file)[0]))
             total += self.check(entries)
         return total
 

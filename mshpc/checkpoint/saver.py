@@ -25,10 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mshpc.checkpoint.h5_shard import ALIGN_BYTES, write_shard
+from mshpc.checkpoint.h5_shard import ALIGN_BYTES, check_finite, write_shard
 from mshpc.checkpoint.manifest import Manifest, TensorEntry, grouped_by_name, write_manifest
 from mshpc.checkpoint.paths import prune, publish, tmp_dir
 from mshpc.errors import CheckpointError
+from mshpc.loss_check import StateDiverged
 from mshpc.parallel import comm
 from mshpc.tensor_slice import TensorSlice
 
@@ -229,7 +230,7 @@ class CheckpointSaver:
             # that is not there (nor in one that failed on another rank).
             outcome = comm.broadcast_json(error, src=dist.get_global_rank(self.group, 0), group=self.group)
             if outcome:
-                raise CheckpointError(outcome)
+                raise (StateDiverged if outcome["diverged"] else CheckpointError)(outcome["error"])
         except BaseException as exc:  # handed to the train loop, raised by the next wait()
             self._error = exc
 
@@ -238,23 +239,30 @@ class CheckpointSaver:
         entries, or its error) to commit from. Only rank 0 needs the entries, and gathering them
         everywhere sent each rank the whole 1.8 M-entry manifest at 12,288 ranks."""
         folder = tmp_dir(self.target.root, step)
-        error = None
+        error, diverged = None, False
         entries: list[TensorEntry] = []
         try:
+            for name, piece in host.items():  # a NaN state is never written, so never resumed from
+                check_finite(piece.tensor.reshape(-1), f"rank {self.rank}: step {step}'s tensor {name!r}")
             folder.mkdir(parents=True, exist_ok=True)
             entries = write_shard(folder / _shard_name(self.rank), host)
+        except CheckpointError as exc:
+            error, diverged = str(exc), True
         except OSError as exc:
             error = f"rank {self.rank}: writing {folder / _shard_name(self.rank)}: {exc}"
-        return comm.gather_json({"error": error, "entries": [dataclasses.asdict(e) for e in entries]},
+        return comm.gather_json({"error": error, "diverged": diverged,
+                                 "entries": [dataclasses.asdict(e) for e in entries]},
                                 dst=dist.get_global_rank(self.group, 0), group=self.group)
 
-    def _commit(self, step: int, reports: list[dict[str, Any]], extras: dict[str, Any]) -> str | None:
-        """Rank 0: manifest last, then publish and prune; returns an error message or None."""
+    def _commit(self, step: int, reports: list[dict[str, Any]], extras: dict[str, Any]) -> dict[str, Any] | None:
+        """Rank 0: manifest last, then publish and prune; returns the error (its message, and
+        whether it is a diverged state) or None."""
         t = self.target
-        failed = [r["error"] for r in reports if r["error"]]
+        failed = [r for r in reports if r["error"]]
         if failed:
             shutil.rmtree(tmp_dir(t.root, step), ignore_errors=True)
-            return f"checkpoint of step {step} failed: {failed[0]}"
+            return {"error": f"checkpoint of step {step} failed: {failed[0]['error']}",
+                    "diverged": failed[0]["diverged"]}
         entries = [TensorEntry(**{**e, "global_shape": tuple(e["global_shape"])})
                    for r in reports for e in r["entries"]]
         # Each tensor's entries together (in rank order), so the manifest's index gives each
@@ -265,7 +273,7 @@ class CheckpointSaver:
             write_manifest(tmp_dir(t.root, step), manifest)
             final = publish(t.root, step)
         except OSError as exc:
-            return f"committing checkpoint of step {step} in {t.root}: {exc}"
+            return {"error": f"committing checkpoint of step {step} in {t.root}: {exc}", "diverged": False}
         deleted = prune(t.root, t.keep)
         log.info("checkpoint %s committed%s", final, f"; pruned steps {deleted}" if deleted else "")
         return None

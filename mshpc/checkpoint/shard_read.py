@@ -20,9 +20,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mshpc.checkpoint.h5_shard import ALIGN_BYTES, dataset_offsets, itemsize
-from mshpc.checkpoint.manifest import TensorEntry
-from mshpc.errors import CheckpointError
+from mshpc.checkpoint.h5_shard import ALIGN_BYTES, check_finite, dataset_offsets, from_bytes, itemsize
+from mshpc.checkpoint.manifest import SHARD_FILE, TensorEntry
+from mshpc.errors import CheckpointError, shown
+from mshpc.regular_files import fd_path, open_regular
 
 READ_CHUNK_BYTES = 16 * 2**20  # a multiple of ALIGN_BYTES
 READ_THREADS = 4  # reads in flight
@@ -57,25 +58,32 @@ class ShardFiles:
         self._offsets: dict[str, dict[str, int | None]] = {}
 
     def fds(self, file: str) -> tuple[int, int | None]:
+        """The shard's descriptors: a regular file of this folder, never through a link (the
+        manifest's names are checked already; this holds for any caller)."""
         if file not in self._fds:
             path = self.folder / file
+            if not SHARD_FILE.fullmatch(file):
+                raise CheckpointError(f"{self.folder}: {shown(file)} is not a shard name (shard-NNNNN.h5)")
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = open_regular(path)
             except OSError as exc:
-                raise CheckpointError(f"{path}: cannot open shard ({exc})") from None
-            try:
-                direct: int | None = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+                raise CheckpointError(f"{path}: cannot open shard ({exc.strerror})") from None
+            try:  # the same file again, whatever its name points at by now
+                direct: int | None = os.open(fd_path(fd), os.O_RDONLY | getattr(os, "O_DIRECT", 0))
             except OSError:
                 direct = None  # e.g. tmpfs: the page cache path
             self._fds[file] = (fd, direct)
         return self._fds[file]
+
+    def size(self, file: str) -> int:
+        return os.fstat(self.fds(file)[0]).st_size
 
     def offset(self, e: TensorEntry) -> int:
         """Where the entry's bytes start: from the manifest, or (older manifests) from HDF5."""
         if e.offset is not None or e.numel == 0:
             return e.offset or 0
         if e.file not in self._offsets:
-            self._offsets[e.file] = dataset_offsets(self.folder / e.file)
+            self._offsets[e.file] = dataset_offsets(self.folder / e.file, fd_path(self.fds(e.file)[0]))
         offset = self._offsets[e.file].get(e.dataset)
         if offset is None:
             raise CheckpointError(f"{self.folder / e.file}:{e.dataset}: no contiguous dataset of that name")
@@ -114,11 +122,15 @@ def read_entries(files: ShardFiles, entries: list[TensorEntry], stats: ReadStats
     """Each entry's bytes, verified against its checksum; a CheckpointError names the tensor
     and file of the first that is unreadable or corrupt."""
     sizes = [entry_nbytes(e) for e in entries]
-    buffers = [memoryview(mmap.mmap(-1, _round_up(max(n, 1)))) for n in sizes]
     try:
         where = [(files.fds(e.file), files.offset(e)) for e in entries]
+        for e, n, (_, offset) in zip(entries, sizes, where, strict=True):
+            if offset + n > files.size(e.file):  # before any buffer is allocated for it
+                raise CheckpointError(f"{files.folder / e.file}:{e.dataset}: the tensor's {n} bytes at offset "
+                                      f"{offset} lie past the file's end ({files.size(e.file)} bytes)")
     except OSError as exc:
         raise CheckpointError(f"{files.folder}: unreadable shard ({exc})") from None
+    buffers = [memoryview(mmap.mmap(-1, _round_up(max(n, 1)))) for n in sizes]
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mshpc-ckpt-read") as reads, \
             ThreadPoolExecutor(CHECKSUM_THREADS, thread_name_prefix="mshpc-ckpt-crc") as sums:
         # All reads queued in file order; each entry's checksum follows its chunks as they land.
@@ -131,10 +143,11 @@ def read_entries(files: ShardFiles, entries: list[TensorEntry], stats: ReadStats
         finally:
             sums.shutdown(cancel_futures=True)
             reads.shutdown(cancel_futures=True)
-    for e, crc in zip(entries, crcs, strict=True):
+    for e, crc, buffer, n in zip(entries, crcs, buffers, sizes, strict=True):
         if crc != e.crc32:
             raise CheckpointError(f"{files.folder / e.file}:{e.dataset}: checksum mismatch for tensor "
                                   f"{e.name!r} (corrupt shard)")
+        check_finite(from_bytes(buffer[:n], e.dtype), f"{files.folder / e.file}:{e.dataset}")
     stats.bytes_read += sum(sizes)
     stats.entries += [f"{e.file}:{e.dataset}" for e in entries]
     return [b[:n] for b, n in zip(buffers, sizes, strict=True)]

@@ -14,12 +14,15 @@ expert-data-parallel group. The engine adds
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from mshpc.checkpoint.reader import CheckpointReader
+from mshpc.errors import CheckpointError, shown
 from mshpc.parallel.zero import DP_ONLY, ModelParallel
 from mshpc.tensor_slice import TensorSlice
 
@@ -95,3 +98,38 @@ def apply_rng(staged: dict[str, torch.Tensor]) -> None:
             torch.set_rng_state(state)
         elif torch.cuda.is_available():
             torch.cuda.set_rng_state(state)
+
+
+def checked_scheduler_state(saved: Any, current: dict[str, Any], where: str) -> dict[str, Any]:
+    """The scheduler state a manifest's extras hold, for `load_state_dict`: the keys of this
+    scheduler's own state (`current`), each with a value of its kind; keys it does not have (an
+    older torch's) are left out. torch's LRScheduler applies a state with `__dict__.update`, so
+    any other key would set any attribute of the scheduler. A CheckpointError for a bad value."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{where}: the scheduler state {shown(saved)} is not an object")
+    for key, like in current.items():
+        if key not in saved or not _same_kind(saved[key], like):
+            raise CheckpointError(f"{where}: scheduler state {key}={shown(saved.get(key))} is not like this "
+                                  f"scheduler's {shown(like)}")
+    return {key: saved[key] for key in current}
+
+
+def _same_kind(value: Any, like: Any) -> bool:
+    """Whether JSON `value` is of the kind of `like`: the same type (an int for a float), finite
+    numbers, lists of equal length item by item; `None` only where `like` is None."""
+    if isinstance(like, bool) or like is None:
+        return value is like if like is None else isinstance(value, bool)
+    if isinstance(like, (int, float)):
+        ok = isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool))
+        return ok and (isinstance(like, float) or isinstance(value, int)) and math.isfinite(value)
+    if isinstance(like, list):
+        return isinstance(value, list) and len(value) == len(like) and all(map(_same_kind, value, like))
+    return False
+
+
+def checked_lrs(saved: Any, groups: int, where: str) -> list[float]:
+    """The optimizer's per-group learning rates from a manifest: `groups` finite numbers >= 0."""
+    if (not isinstance(saved, list) or len(saved) != groups
+            or not all(_same_kind(lr, 0.0) and lr >= 0 for lr in saved)):
+        raise CheckpointError(f"{where}: group_lrs={shown(saved)} are not {groups} learning rates")
+    return [float(lr) for lr in saved]

@@ -22,6 +22,8 @@ from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
 from mshpc.checkpoint.state import (
     apply_rng,
     buffer_slices,
+    checked_lrs,
+    checked_scheduler_state,
     model_slices,
     persistent_buffers,
     rng_names,
@@ -225,7 +227,12 @@ class TrainCheckpointer:
         extras = reader.catalog.head.extras
         same_world = extras.get("world_size") == self.world_size
         requests, error, relayout = [], None, Relayout(1, 1, 0)
+        scheduler: dict[str, Any] = {}
+        lrs: list[float] = []
         try:
+            # extras from the manifest are checked before anything is read, let alone applied
+            scheduler = checked_scheduler_state(extras.get("scheduler"), self.scheduler.state_dict(), str(reader.folder))
+            lrs = checked_lrs(extras.get("group_lrs"), len(self.optimizer.param_groups), str(reader.folder))
             relayout = Relayout.build(reader, self.parallel.tp, self.engine.mp.tp_rank, self._splits,
                                       self.engine.mp.tied)
             requests = self._requests(reader, relayout, same_world)
@@ -234,6 +241,10 @@ class TrainCheckpointer:
         load_for_group(reader, requests, self.dp_group, error)
         rng = stage_rng(reader, rng_names(reader, self.rank, same_world))
         buffers = {n: reader.read_whole(f"buffer/{n}") for n in persistent_buffers(self.engine.model)}
+        for name, b in persistent_buffers(self.engine.model).items():  # a crafted shape: one line, not copy_'s error
+            if buffers[name].shape != b.shape:
+                raise CheckpointError(f"{reader.folder}: buffer/{name} has shape {list(buffers[name].shape)}, the "
+                                      f"model {list(b.shape)}")
         self._restored = {"bytes_read": reader.stats.bytes_read, "entries_read": len(reader.stats.entries),
                           "bytes_received": reader.bytes_received}
 
@@ -243,8 +254,8 @@ class TrainCheckpointer:
             with torch.no_grad():
                 for name, b in persistent_buffers(self.engine.model).items():
                     b.copy_(buffers[name])
-            self.scheduler.load_state_dict(extras["scheduler"])
-            for group, lr in zip(self.optimizer.param_groups, extras["group_lrs"], strict=True):
+            self.scheduler.load_state_dict(scheduler)
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
             if extras.get("data") != self.data_position:
                 log.warning("data settings changed since the checkpoint (%s -> %s): the data order "

@@ -37,8 +37,8 @@ def test_round_trip_keeps_dtype_shape_and_bits(tmp_path):
 
 def test_plain_h5py_reads_the_shard(tmp_path):
     w = torch.randn(3, 4)
-    write_shard(tmp_path / "s.h5", {"model/w": TensorSlice.whole(w)})
-    with h5py.File(tmp_path / "s.h5", "r") as f:
+    write_shard(tmp_path / "shard-00000.h5", {"model/w": TensorSlice.whole(w)})
+    with h5py.File(tmp_path / "shard-00000.h5", "r") as f:
         assert f["model/w"].shape == (3, 4)
         assert torch.equal(torch.from_numpy(f["model/w"][()]), w)
         assert list(f["model/w"].attrs["global_shape"]) == [3, 4]
@@ -46,35 +46,35 @@ def test_plain_h5py_reads_the_shard(tmp_path):
 
 def test_bfloat16_is_stored_as_its_uint16_bits_and_verifies(tmp_path):
     t = torch.randn(5).to(torch.bfloat16)
-    entries = write_shard(tmp_path / "s.h5", {"model/b16": TensorSlice.whole(t)})
-    check_datasets(tmp_path / "s.h5", entries)  # what `mshpc ckpt verify` asks of the HDF5 metadata
-    with h5py.File(tmp_path / "s.h5", "r") as f:
+    entries = write_shard(tmp_path / "shard-00000.h5", {"model/b16": TensorSlice.whole(t)})
+    check_datasets(tmp_path / "shard-00000.h5", entries)  # what `mshpc ckpt verify` asks of the HDF5 metadata
+    with h5py.File(tmp_path / "shard-00000.h5", "r") as f:
         assert f["model/b16"].dtype == np.uint16 and f["model/b16"].attrs["dtype"] == "bfloat16"
         assert torch.equal(torch.from_numpy(f["model/b16"][()].view(np.int16)).view(torch.bfloat16), t)
 
 
 def test_flipped_byte_is_named(tmp_path):
-    entries = write_shard(tmp_path / "s.h5", {"model/w": TensorSlice.whole(torch.randn(64, 64))})
-    with h5py.File(tmp_path / "s.h5", "r") as f:
+    entries = write_shard(tmp_path / "shard-00000.h5", {"model/w": TensorSlice.whole(torch.randn(64, 64))})
+    with h5py.File(tmp_path / "shard-00000.h5", "r") as f:
         offset = f["model/w"].id.get_offset()
-    with open(tmp_path / "s.h5", "r+b") as f:
+    with open(tmp_path / "shard-00000.h5", "r+b") as f:
         f.seek(offset + 100)
         byte = f.read(1)
         f.seek(offset + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(CheckpointError, match=r"s\.h5:model/w: checksum mismatch for tensor 'model/w'"):
+    with pytest.raises(CheckpointError, match=r"shard-00000\.h5:model/w: checksum mismatch for tensor 'model/w'"):
         read_back(tmp_path, entries)
 
 
 def test_unsupported_dtype_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="complex64 cannot be checkpointed"):
-        write_shard(tmp_path / "s.h5", {"x": TensorSlice.whole(torch.zeros(2, dtype=torch.complex64))})
+        write_shard(tmp_path / "shard-00000.h5", {"x": TensorSlice.whole(torch.zeros(2, dtype=torch.complex64))})
 
 
 def test_recorded_offsets_are_hdf5s_own(tmp_path):
     items = {"big": TensorSlice.whole(torch.randn(300, 301)), "small": TensorSlice.whole(torch.arange(5))}
-    entries = write_shard(tmp_path / "s.h5", items)
-    with h5py.File(tmp_path / "s.h5", "r") as f:
+    entries = write_shard(tmp_path / "shard-00000.h5", items)
+    with h5py.File(tmp_path / "shard-00000.h5", "r") as f:
         assert {e.name: e.offset for e in entries} == {n: f[n].id.get_offset() for n in items}
     assert entries[0].offset % 4096 == 0  # large datasets start on a page: O_DIRECT reads them
 
@@ -84,7 +84,7 @@ def test_multi_chunk_reads_of_unaligned_sizes(tmp_path, monkeypatch, with_offset
     # small chunks: each entry is read as several O_DIRECT reads in flight plus an unaligned tail
     monkeypatch.setattr(shard_read, "READ_CHUNK_BYTES", 3 * 4096)
     items = {f"t{i}": TensorSlice.whole(torch.randn(n)) for i, n in enumerate([20_000, 16_384, 70_001, 3])}
-    entries = write_shard(tmp_path / "s.h5", items)
+    entries = write_shard(tmp_path / "shard-00000.h5", items)
     if not with_offsets:  # a manifest from before offsets were recorded: HDF5's metadata says
         entries = [dataclasses.replace(e, offset=None) for e in entries]
     stats = ReadStats()
@@ -97,8 +97,8 @@ def test_multi_chunk_reads_of_unaligned_sizes(tmp_path, monkeypatch, with_offset
 
 
 def test_truncated_shard_names_file_and_dataset(tmp_path):
-    entries = write_shard(tmp_path / "s.h5", {"model/w": TensorSlice.whole(torch.randn(256, 256))})
-    with open(tmp_path / "s.h5", "r+b") as f:
+    entries = write_shard(tmp_path / "shard-00000.h5", {"model/w": TensorSlice.whole(torch.randn(256, 256))})
+    with open(tmp_path / "shard-00000.h5", "r+b") as f:
         f.truncate(entries[0].offset + 1000)
-    with pytest.raises(CheckpointError, match=r"s\.h5:model/w: unreadable \(.*ends \d+ bytes early"):
+    with pytest.raises(CheckpointError, match=r"shard-00000\.h5:model/w: the tensor's \d+ bytes at offset \d+ lie past the file's end"):
         read_back(tmp_path, entries)
