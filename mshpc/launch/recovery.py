@@ -37,13 +37,20 @@ class Verdict:
 
 @dataclass(frozen=True)
 class PastFailure:
-    """What makes two failures "the same": kind, rank, step, words, and the checkpoint resumed from."""
+    """What makes two failures "the same": kind, step, words, and the checkpoint resumed from.
+    Not the rank: a diverged loss is all-reduced, so whichever rank says so first names it, and
+    the same divergence from the same checkpoint must not read as a new failure every attempt."""
 
     kind: str
-    rank: int | None
     step: int
-    detail: str
+    words: str  # the failing rank's error, without its rank
     resumed_from: int | None
+
+    @staticmethod
+    def of(det: Detection, states: dict[int, RankState], resumed_from: int | None) -> PastFailure:
+        outcome = states[det.rank].outcome if det.rank is not None else None
+        words = f"{outcome['error']}: {outcome['message']}" if outcome and outcome.get("type") == "failed" else det.detail
+        return PastFailure(det.kind, det.step, words, resumed_from)
 
 
 def _host(states: dict[int, RankState], rank: int | None) -> tuple[str, ...]:

@@ -284,7 +284,7 @@ class Supervisor:
         began = time.monotonic()
         killed = ranks.stop(self.scfg.stop_grace_s)
         self.event("ranks_stopped", attempt=attempt.number, stop_s=time.monotonic() - began, sigkilled=killed)
-        same = self.past == (now := PastFailure(det.kind, det.rank, det.step, det.detail, attempt.resumed_from))
+        same = self.past == (now := PastFailure.of(det, states, attempt.resumed_from))
         self.past = now
         verdict = classify(det, states, missing, self.down(attempt.hosts), same)
         self.event("classified", attempt=attempt.number, fault_class=verdict.cls, blame=list(verdict.blame),

@@ -6,9 +6,15 @@ from support.fault_runs import supervised
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory, corpus_cache):
-    """The undisturbed run: its final parameters and losses."""
+def reference_run(tmp_path_factory, corpus_cache):
+    """The undisturbed run's directory (read it, or copy it: never change it)."""
     tmp = tmp_path_factory.mktemp("reference")
     out = supervised(tmp, corpus_cache, "ref")
     assert out.returncode == 0, out.stderr[-3000:]
-    return final_params(tmp / "ref" / "checkpoints"), [r["loss"] for r in read_metrics(tmp / "ref")]
+    return tmp / "ref"
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run):
+    """The undisturbed run: its final parameters and losses."""
+    return final_params(reference_run / "checkpoints"), [r["loss"] for r in read_metrics(reference_run)]
