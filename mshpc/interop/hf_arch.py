@@ -9,10 +9,11 @@ only because Meta's original checkpoints pair (x[2i], x[2i+1]).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from mshpc.config import ModelConfig
-from mshpc.errors import InteropError
+from mshpc.errors import InteropError, shown
 from mshpc.interop.hf_moe import MOE_ARCHITECTURES, moe_architecture, moe_hf_config, moe_model_fields
 
 LLAMA = "LlamaForCausalLM"
@@ -25,6 +26,7 @@ SUPPORTED = {
     ("layernorm", "gelu", False): NEOX,
     ("layernorm", "gelu", True): NEOX,
 }
+COUNT_MAX = 2**40  # a size or count in config.json; the config's memory check bounds the model itself
 # mshpc's GeLU is GPT-2's tanh form; these two activations in transformers compute it
 TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new")
 
@@ -97,51 +99,67 @@ def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
 def _rope(hf: dict[str, Any], where: str) -> tuple[float, float]:
     """(rope theta, fraction of head dims rotated) from either generation of config.json; an
     InteropError for a rope scaling mshpc does not implement."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
+    params, scaling = _object(hf, where, "rope_parameters"), _object(hf, where, "rope_scaling")
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
-        raise InteropError(f"{where}: rope scaling {kind!r} is not implemented in mshpc "
+        raise InteropError(f"{where}: rope scaling {shown(kind)} is not implemented in mshpc "
                            "(only plain RoPE, rope_type 'default')")
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
     fraction = params.get("partial_rotary_factor", hf.get("rotary_pct", hf.get("partial_rotary_factor", 1.0)))
-    return float(theta), float(fraction)
+    return _number({"rope_theta": theta}, where, "rope_theta"), _number({"rotary_pct": fraction}, where, "rotary_pct")
+
+
+def _object(hf: dict[str, Any], where: str, key: str) -> dict[str, Any]:
+    value = hf.get(key) or {}
+    if not isinstance(value, dict):
+        raise InteropError(f"{where}: config.json's {key}={shown(value)} is not an object")
+    return value
 
 
 def _require(hf: dict[str, Any], where: str, key: str, ok: Any, want: str, default: Any = None) -> None:
-    if hf.get(key, default) not in ok:
-        raise InteropError(f"{where}: {key}={hf.get(key)!r} is not implemented in mshpc (it needs {want})")
+    value = hf.get(key, default)
+    if not isinstance(value, (str, bool, type(None))) or value not in ok:
+        raise InteropError(f"{where}: {key}={shown(hf.get(key))} is not implemented in mshpc (it needs {want})")
 
 
 def _number(hf: dict[str, Any], where: str, key: str, default: float | None = None) -> float:
-    """config.json's number `key` (`default` when absent), or a one-line InteropError."""
+    """config.json's finite number `key` (`default` when absent), or a one-line InteropError."""
     value = hf.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InteropError(f"{where}: config.json has no number {key!r} (got {value!r})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InteropError(f"{where}: config.json has no number {key!r} (got {shown(value)})")
+    return value
+
+
+def _count(hf: dict[str, Any], where: str, key: str, default: int | None = None) -> int:
+    """config.json's whole number `key` >= 1 (`default` when absent or null), or a one-line InteropError."""
+    value = hf.get(key) if hf.get(key) is not None else default
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= COUNT_MAX:
+        raise InteropError(f"{where}: config.json's {key}={shown(value)} is not a whole number from 1 to {COUNT_MAX}")
     return value
 
 
 def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False) -> ModelConfig:
     """The mshpc model of a Llama or GPT-NeoX config.json (`where` names it in errors);
     `mlp_bias`: whether the checkpoint's MLP biases are to be kept (GPT-NeoX only)."""
-    arch = (hf.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES:
-        raise InteropError(f"{where}: architecture {arch!r} is not supported (choose {' or '.join(ARCHITECTURES)})")
-    d, n_head = int(_number(hf, where, "hidden_size")), int(_number(hf, where, "num_attention_heads"))
+    archs = hf.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise InteropError(f"{where}: architecture {shown(arch)} is not supported (choose {' or '.join(ARCHITECTURES)})")
+    d, n_head = _count(hf, where, "hidden_size"), _count(hf, where, "num_attention_heads")
     theta, fraction = _rope(hf, where)
     if fraction != 1.0:
         raise InteropError(f"{where}: rotary on {fraction:g} of each head is not implemented in mshpc "
                            "(it rotates every head dim: rotary_pct 1.0)")
-    head_dim = hf.get("head_dim") or d // n_head
+    head_dim = _count(hf, where, "head_dim", d // n_head)
     if arch == NEOX and head_dim != d // n_head:
-        raise InteropError(f"{where}: head_dim={hf['head_dim']} is not hidden_size/num_attention_heads="
+        raise InteropError(f"{where}: head_dim={head_dim} is not hidden_size/num_attention_heads="
                            f"{d // n_head}, which mshpc needs for {NEOX}")
     fields: dict[str, Any] = dict(
-        vocab_size=int(_number(hf, where, "vocab_size")), seq_len=int(_number(hf, where, "max_position_embeddings")),
-        n_layer=int(_number(hf, where, "num_hidden_layers")), n_head=n_head, d_model=d,
-        ffn_dim=int(_number(hf, where, "intermediate_size")),
-        head_dim=None if head_dim * n_head == d else int(head_dim),
-        rope_theta=theta, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        vocab_size=_count(hf, where, "vocab_size"), seq_len=_count(hf, where, "max_position_embeddings"),
+        n_layer=_count(hf, where, "num_hidden_layers"), n_head=n_head, d_model=d,
+        ffn_dim=_count(hf, where, "intermediate_size"),
+        head_dim=None if head_dim * n_head == d else head_dim,
+        rope_theta=theta, tie_embeddings=_flag(hf, where, "tie_word_embeddings", False),
         init_std=float(_number(hf, where, "initializer_range", 0.02)))
     if arch in MOE_ARCHITECTURES:
         fields.update(moe_model_fields(arch, hf, where, fields["n_layer"]))
@@ -149,11 +167,18 @@ def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False) -> Mode
         _require(hf, where, "hidden_act", ("silu",), "'silu'", default="silu")
         _require(hf, where, "attention_bias", (False, None), "attention_bias false")
         _require(hf, where, "mlp_bias", (False, None), "mlp_bias false")
-        kv = int(hf.get("num_key_value_heads") or n_head)
+        kv = _count(hf, where, "num_key_value_heads", n_head)
         fields.update(norm="rmsnorm", mlp="swiglu", parallel_block=False, norm_eps=float(_number(hf, where, "rms_norm_eps", 1e-6)),
                       n_kv_head=None if kv == n_head else kv)
     else:
         _require(hf, where, "hidden_act", TANH_GELUS, f"GeLU's tanh form: {' or '.join(TANH_GELUS)}")
         fields.update(norm="layernorm", mlp="gelu", norm_eps=float(_number(hf, where, "layer_norm_eps", 1e-5)), mlp_bias=mlp_bias,
-                      parallel_block=bool(hf.get("use_parallel_residual", True)))
+                      parallel_block=_flag(hf, where, "use_parallel_residual", True))
     return ModelConfig(**fields)
+
+
+def _flag(hf: dict[str, Any], where: str, key: str, default: bool) -> bool:
+    value = hf.get(key, default)
+    if not isinstance(value, bool):
+        raise InteropError(f"{where}: config.json's {key}={shown(value)} is not true or false")
+    return value

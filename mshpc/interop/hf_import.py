@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from mshpc.config import Config, ModelConfig, dump_yaml, from_dict
-from mshpc.errors import InteropError
+from mshpc.errors import ConfigError, InteropError
 from mshpc.interop.hf_arch import model_config
 from mshpc.interop.hf_names import from_hf
 from mshpc.interop.safetensors_files import read_safetensors
 from mshpc.model.gpt import GPT
+from mshpc.regular_files import read_regular
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +36,25 @@ SAME_MOE = ("n_experts", "top_k", "expert_ffn_dim", "n_shared_experts", "shared_
             "norm_topk_prob", "first_dense_layers", "every")
 
 
+CONFIG_MAX_BYTES = 16 * 2**20  # a config.json is a few kB
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")  # Python's json takes NaN and Infinity by default
+
+
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    """HF_DIR/config.json as an object: a bounded regular file of strict JSON (no NaN, no Infinity),
+    or a one-line InteropError."""
     path = hf_dir / "config.json"
-    if not path.is_file():
+    if not (path.is_file() or path.is_symlink()):
         raise InteropError(f"{hf_dir}: no config.json (a Hugging Face model folder has one)")
     try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise InteropError(f"{path}: not JSON ({exc})") from None
+        data = json.loads(read_regular(path, CONFIG_MAX_BYTES), parse_constant=_no_constant)
+    except OSError as exc:
+        raise InteropError(f"{path}: unreadable ({exc.strerror})") from None
+    except (ValueError, RecursionError) as exc:
+        raise InteropError(f"{path}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(data, dict):
         raise InteropError(f"{path}: not a JSON object")
     return data
@@ -51,11 +63,21 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
 def hf_model_config(hf_dir: Path) -> ModelConfig:
     """The mshpc model of the Hugging Face folder `hf_dir`, whose safetensors files must open;
     with MLP biases when a GPT-NeoX checkpoint's are not all zero."""
-    m = model_config(read_hf_config(hf_dir), str(hf_dir))
+    m = checked_model(model_config(read_hf_config(hf_dir), str(hf_dir)), str(hf_dir))
     with read_safetensors(hf_dir) as src:
         biases = sorted(n for n in src.names if ".mlp.dense_" in n and n.endswith(".bias"))
         nonzero = m.mlp == "gelu" and any(src.get(n).count_nonzero() for n in biases)
     return dataclasses.replace(m, mlp_bias=True) if nonzero else m
+
+
+def checked_model(m: ModelConfig, where: str) -> ModelConfig:
+    """`m` if it passes the config's own checks (ranges, divisibility, the memory it would take),
+    else the config's one-line reason as an InteropError naming the folder."""
+    try:
+        from_dict({"model": {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}})
+    except ConfigError as exc:
+        raise InteropError(f"{where}: its config.json gives a model mshpc refuses: {exc}") from None
+    return m
 
 
 def import_config(hf_dir: Path, out: Path) -> Config:

@@ -8,12 +8,13 @@ and transformers 5's save_pretrained writes; the fused `experts.gate_up_proj` is
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from mshpc.config import ModelConfig, MoEConfig
-from mshpc.errors import InteropError
+from mshpc.errors import InteropError, shown
 
 MIXTRAL = "MixtralForCausalLM"
 QWEN2_MOE = "Qwen2MoeForCausalLM"
@@ -78,6 +79,13 @@ def _int(hf: dict[str, Any], where: str, *keys: str) -> int:
     raise InteropError(f"{where}: config.json has no integer {keys[0]!r}")
 
 
+def _coef(hf: dict[str, Any], where: str, key: str, default: float) -> float:
+    value = hf.get(key, default) or 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InteropError(f"{where}: config.json's {key}={shown(value)} is not a number")
+    return float(value)
+
+
 def moe_model_fields(arch: str, hf: dict[str, Any], where: str, n_layer: int) -> dict[str, Any]:
     """The ModelConfig fields of an MoE config.json beyond Llama's: the moe section, the expert
     width and, for Qwen3, the q/k norm; an InteropError for what mshpc does not compute."""
@@ -88,7 +96,7 @@ def moe_model_fields(arch: str, hf: dict[str, Any], where: str, n_layer: int) ->
         raise InteropError(f"{where}: router jitter and sliding windows are not implemented in mshpc")
     fields: dict[str, Any] = {}
     moe: dict[str, Any] = dict(n_experts=experts, top_k=top_k,
-                               aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.01) or 0.0))
+                               aux_loss_coef=_coef(hf, where, "router_aux_loss_coef", 0.01))
     if arch == MIXTRAL:
         moe.update(expert_ffn_dim=_int(hf, where, "intermediate_size"), norm_topk_prob=True)
     else:

@@ -108,21 +108,45 @@ def to_hf(arch: str, m: ModelConfig, w: Weights) -> Weights:
     return out
 
 
+def hf_shapes(arch: str, m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor `to_hf` gives for model `m` (and of NeoX's head under its other
+    name), computed on the meta device: nothing is allocated, whatever the sizes."""
+    from mshpc.model.gpt import GPT
+
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in to_hf(arch, m, dict(GPT(m).named_parameters())).items()}
+    if NEOX_HEADS[0] in shapes:
+        shapes[NEOX_HEADS[1]] = shapes[NEOX_HEADS[0]]
+    return shapes
+
+
 # buffers older transformers saved with GPT-NeoX weights: derived from the config, not weights
 NEOX_BUFFERS = (".attention.rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
 
 
 class HfTensors:
     """A Hugging Face checkpoint's tensors by name (`get` reads one on demand), taken once each,
-    so that what no mshpc weight took can be named; errors name `where`."""
+    so that what no mshpc weight took can be named; errors name `where`. `shapes` are the files'
+    own (from their headers); once `expect` is given the config's, a tensor is read only if its
+    shape is the one the config implies."""
 
-    def __init__(self, names: set[str], get: Callable[[str], torch.Tensor], where: str) -> None:
+    def __init__(self, names: set[str], get: Callable[[str], torch.Tensor], where: str,
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         self.names, self.get, self.where = names, get, where
+        self.shapes = shapes or {}
+        self.expected: dict[str, tuple[int, ...]] = {}
         self.taken: set[str] = set()
+
+    def expect(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self.expected = shapes
 
     def take(self, name: str) -> torch.Tensor:
         if name not in self.names:
             raise InteropError(f"{self.where}: has no tensor {name!r}, which its config.json implies")
+        have, want = self.shapes.get(name), self.expected.get(name)
+        if have is not None and want is not None and have != want:
+            raise InteropError(f"{self.where}: {name} is {list(have)} in its safetensors, but its config.json "
+                               f"implies {list(want)}")
         self.taken.add(name)
         return self.get(name)
 
@@ -193,6 +217,7 @@ def _neox_weights(src: HfTensors, m: ModelConfig, i: int) -> Weights:
 def from_hf(arch: str, m: ModelConfig, src: HfTensors) -> Weights:
     """`to_hf`'s inverse: the whole mshpc weights of model `m` from a checkpoint of `arch`;
     an InteropError for a missing tensor, one with no place in mshpc, or a nonzero bias mshpc lacks."""
+    src.expect(hf_shapes(arch, m))  # before any tensor is read: none of another size is
     llama = arch == LLAMA or arch in MOE_ARCHITECTURES
     embed, norm = ("model.embed_tokens", "model.norm") if llama else ("gpt_neox.embed_in", "gpt_neox.final_layer_norm")
     out = {"tok_embeddings.weight": src.take(embed + ".weight"), "norm.weight": src.take(norm + ".weight")}

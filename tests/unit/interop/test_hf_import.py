@@ -76,7 +76,7 @@ def _config_json(hf_dir, **changes):
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
      "rope scaling 'llama3' is not implemented in mshpc"),
     (dict(hidden_act="relu"), "hidden_act='relu' is not implemented in mshpc"),
-    (dict(hidden_size="32"), "config.json has no number 'hidden_size' (got '32')"),
+    (dict(hidden_size="32"), "config.json's hidden_size='32' is not a whole number from 1 to 1099511627776"),
     (dict(rope_scaling={"type": "linear", "factor": 2.0}, rope_parameters=None),
      "rope scaling 'linear' is not implemented in mshpc"),
 ])
