@@ -16,6 +16,7 @@ waits forever. There is no name to clean up: see shared_ring.py.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import socket
 import struct
@@ -29,8 +30,11 @@ from mshpc.batch import Batch
 from mshpc.data.loader import Stopped
 from mshpc.data.shared_ring import RingLayout, SharedRing
 from mshpc.data.window_reader import WindowReader
-from mshpc.errors import DataError
+from mshpc.errors import DataError, shown
 from mshpc.parallel import comm
+from mshpc.socket_peer import is_same_user, peer_uid
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 300.0  # start-up: clients reach the reader, the reader hears from all clients
 _POLL_S = 0.05  # how often a blocked wait looks at the stop flag
@@ -179,7 +183,9 @@ class NodeClient:
 
 def _accept_clients(listener: socket.socket, ring: SharedRing, n_clients: int,
                     deadline: float) -> list[tuple[socket.socket, str]]:
-    """Each client says who it is; it gets the ring's layout and memfd back."""
+    """Each client says who it is; it gets the ring's layout and memfd back. A connection from
+    another user (the socket's name is visible to all: /proc/net/unix) is closed unread, before
+    it can take a client's place or the ring."""
     clients: list[tuple[socket.socket, str]] = []
     try:
         while len(clients) < n_clients:
@@ -189,11 +195,15 @@ def _accept_clients(listener: socket.socket, ring: SharedRing, n_clients: int,
             except TimeoutError:
                 raise DataError(f"per-node reader: {len(clients)} of {n_clients} local ranks "
                                 "connected before the time-out; the others did not start") from None
+            if not is_same_user(sock):
+                log.warning("per-node reader: refused a connection from uid %d (not this job's user)", peer_uid(sock))
+                sock.close()
+                continue
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            hello = json.loads(sock.recv(4096) or b"{}")
-            clients.append((sock, f"rank {hello.get('rank')} (client)"))
-            if hello.get("dp") not in ring.layout.served:
-                raise DataError(f"per-node reader: a client asked for dp rank {hello.get('dp')}, "
+            hello = _hello(sock.recv(4096))
+            clients.append((sock, f"rank {hello['rank']} (client)"))
+            if hello["dp"] not in ring.layout.served:
+                raise DataError(f"per-node reader: a client asked for dp rank {hello['dp']}, "
                                 f"not one of {list(ring.layout.served)}")
             socket.send_fds(sock, [ring.layout.to_json()], [ring.fd])
             sock.settimeout(_POLL_S)
@@ -202,6 +212,17 @@ def _accept_clients(listener: socket.socket, ring: SharedRing, n_clients: int,
             sock.close()
         raise
     return clients
+
+
+def _hello(raw: bytes) -> dict[str, int]:
+    """A client's hello, {"rank": int, "dp": int}, or a DataError."""
+    try:
+        hello = json.loads(raw)
+    except (ValueError, RecursionError):
+        hello = None
+    if not (isinstance(hello, dict) and all(type(hello.get(k)) is int for k in ("rank", "dp"))):
+        raise DataError(f"per-node reader: a client's hello {shown(raw)} is not one of a rank's")
+    return hello
 
 
 def start_reader(windows: WindowReader, role: ReaderRole, dp_rank: int, start_step: int,
@@ -222,10 +243,17 @@ def start_reader(windows: WindowReader, role: ReaderRole, dp_rank: int, start_st
 
 
 def _connect(address: str, deadline: float) -> socket.socket:
+    """A connection to the reader at `address`, which must run as this user: a listener of
+    another user on that name would hand this rank its own batches."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     while True:
         try:
             sock.connect(address)
+            if not is_same_user(sock):
+                uid = peer_uid(sock)
+                sock.close()
+                raise DataError(f"per-node reader: the socket {address[1:]!r} is served by uid {uid}, not this "
+                                "job's user; another user took its name")
             return sock
         except (ConnectionRefusedError, FileNotFoundError):
             if time.monotonic() > deadline:

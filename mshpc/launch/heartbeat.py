@@ -36,13 +36,14 @@ from typing import Any
 from mshpc.config import ParallelConfig, SupervisorConfig
 from mshpc.errors import MshpcError
 from mshpc.launch.env import SupervisorLink
-from mshpc.launch.node_relay import socket_name, start_relay
+from mshpc.launch.node_relay import is_dump_request, socket_name, start_relay
 from mshpc.launch.requeue import STOP_REQUEST_SIGNAL
 from mshpc.loss_check import LossDiverged
 from mshpc.mesh_shape import MeshShape
 from mshpc.parallel.comm import RECORDER
 from mshpc.phases import CHECKPOINT, COMPILE, DATA, EVAL, SETUP, STEP
 from mshpc.save_schedule import SaveSchedule
+from mshpc.socket_peer import is_same_user, peer_uid
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ _WINDOW = 64  # recent durations kept per phase
 ORPHAN_EXIT = 1  # a rank that outlived its supervisor and could not stop in order
 RELAY_WAIT_S = 10.0  # for the node's relay to listen (a Python start on a loaded node), then go direct
 _RELAY_RETRY_S = 0.05
+MAX_REQUEST_BYTES = 64 * 1024  # what the rank buffers of the supervisor's requests (a dump request is 17 bytes)
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,13 @@ class Heartbeat:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(name)
-                return sock
+                if is_same_user(sock):
+                    return sock
+                # the name is in every user's view (/proc/net/unix): a relay of another user is none
+                log.warning("the heartbeat relay socket of node %s is served by uid %d, not this job's user: this "
+                            "rank reports to the supervisor directly", self.relay.node, peer_uid(sock))
+                sock.close()
+                return None
             except OSError:
                 sock.close()
             code = relay.poll() if relay is not None else None
@@ -202,8 +210,10 @@ class Heartbeat:
                 return
             while b"\n" in buffered:
                 line, buffered = buffered.split(b"\n", 1)
-                if json.loads(line).get("type") == "dump":
+                if is_dump_request(line):
                     self._send(self._dump())
+            if len(buffered) > MAX_REQUEST_BYTES:  # no request is this long: not a supervisor's
+                return
 
     def _orphaned(self) -> None:
         """The supervisor is gone: stop as on its stop request (every rank sees its connection

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -41,11 +42,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from mshpc.launch.env import SupervisorLink, supervisor_link
-from mshpc.launch.monitor import MESSAGE_MAX_BYTES, NODE_PROTOCOL, parse_message
+from mshpc.launch.monitor import (
+    HELLO_MAX_BYTES,
+    HELLO_TIMEOUT_S,
+    MESSAGE_MAX_BYTES,
+    NODE_PROTOCOL,
+    parse_message,
+)
+from mshpc.socket_peer import is_same_user, peer_uid
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 30.0  # to the supervisor, as a rank's own connection allows
+MAX_CONNECTIONS = 1024  # a node's ranks (8 or 16 GPUs, 100+ CPU ranks), with room for stale ones
+# partial lines of every connection together: a few ranks' dumps at once, well below the memory
+# a node has (a rank's own line may be MESSAGE_MAX_BYTES, a dump's bound)
+TOTAL_BUFFER_BYTES = 2 * MESSAGE_MAX_BYTES
 
 
 def socket_name(token: str, node: str) -> str:
@@ -89,11 +101,13 @@ def line(message: dict[str, Any]) -> bytes:
 class Relay:
     def __init__(self, link: SupervisorLink, node: str, interval_s: float) -> None:
         self.link, self.node, self.interval_s = link, node, interval_s
-        self._ranks: dict[int, asyncio.StreamWriter] = {}
+        self._ranks: dict[int, asyncio.Transport] = {}
         self._pending: dict[int, tuple[float, dict[str, Any]]] = {}  # rank -> (received at, its latest beat)
         self._seen = 0
         self._done = asyncio.Event()
         self._up: asyncio.StreamWriter | None = None
+        self.connections: set[RankConnection] = set()
+        self.buffered = 0  # bytes of partial lines held for every connection together
 
     async def run(self) -> int:
         """0 when done (or another relay serves the node), 1 when the supervisor is out of reach."""
@@ -114,15 +128,15 @@ class Relay:
         self._up = up
         up.write(line(node_hello(self.link.token, self.node, os.getpid())))
         listener.listen(socket.SOMAXCONN)
-        server = await asyncio.start_unix_server(self._serve_rank, sock=listener, limit=MESSAGE_MAX_BYTES)
+        server = await asyncio.get_running_loop().create_unix_server(lambda: RankConnection(self), sock=listener)
         tasks = [asyncio.ensure_future(c) for c in (self._from_supervisor(reader), self._flush_beats())]
         await self._done.wait()
         self._flush()
         for task in tasks:
             task.cancel()
         server.close()
-        for writer in list(self._ranks.values()):
-            writer.close()
+        for connection in list(self.connections):
+            connection.drop()
         with contextlib.suppress(OSError):
             await up.drain()
         up.close()
@@ -132,35 +146,30 @@ class Relay:
         if self._up is not None and not self._up.is_closing():
             self._up.write(line(message))
 
-    async def _serve_rank(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        rank: int | None = None
-        try:
-            while raw := await reader.readline():
-                message = parse_message(raw)
-                if message is None:
-                    continue  # the monitor would ignore it too
-                if rank is None:
-                    if message["type"] != "hello" or message["token"] != self.link.token:
-                        return  # not a rank of this attempt
-                    rank = message["rank"]
-                    self._ranks[rank] = writer
-                    self._seen += 1
-                    self._send(rank_envelope(rank, message))
-                elif message["type"] == "beat":
-                    self._pending[rank] = (time.monotonic(), message)
-                else:  # what needs a decision goes now, after the rank's pending beat
-                    self._flush(rank)
-                    self._send(rank_envelope(rank, message))
-        except (OSError, ValueError, asyncio.LimitOverrunError):
-            pass  # the rank's connection broke, or it sent a line past any message's size
-        finally:
-            writer.close()
-            if rank is not None:
-                self._flush(rank)
-                self._send(closed_message(rank, time.time()))
-                self._ranks.pop(rank, None)
-                if not self._ranks and self._seen:
-                    self._done.set()  # every rank that came is gone
+    def hello(self, message: dict[str, Any], transport: asyncio.Transport) -> int | None:
+        """A connection's first line: the rank it speaks for, or None (not a rank of this attempt)."""
+        if message["type"] != "hello" or not hmac.compare_digest(message["token"], self.link.token):
+            return None
+        rank: int = message["rank"]
+        self._ranks[rank] = transport
+        self._seen += 1
+        self._send(rank_envelope(rank, message))
+        return rank
+
+    def rank_says(self, rank: int, message: dict[str, Any]) -> None:
+        if message["type"] == "beat":
+            self._pending[rank] = (time.monotonic(), message)
+        else:  # what needs a decision goes now, after the rank's pending beat
+            self._flush(rank)
+            self._send(rank_envelope(rank, message))
+
+    def rank_gone(self, rank: int, transport: asyncio.Transport) -> None:
+        self._flush(rank)
+        self._send(closed_message(rank, time.time()))
+        if self._ranks.get(rank) is transport:
+            del self._ranks[rank]
+        if not self._ranks and self._seen:
+            self._done.set()  # every rank that came is gone
 
     def _flush(self, only: int | None = None) -> None:
         """One "beats" message with the pending beats (of rank `only`, when given)."""
@@ -183,18 +192,95 @@ class Relay:
         """Dump requests go to every rank; the end of the connection ends the relay."""
         try:
             while raw := await reader.readline():
-                if _is_dump_request(raw):
-                    for writer in self._ranks.values():
-                        writer.write(raw)
+                if is_dump_request(raw):
+                    for transport in self._ranks.values():
+                        transport.write(raw)
         except (OSError, ValueError):
             pass
         self._done.set()
 
 
-def _is_dump_request(raw: bytes) -> bool:
+class RankConnection(asyncio.Protocol):
+    """One connection to the relay's socket, whose name every user of the node can see. Before a
+    byte is read its peer must be this user (SO_PEERCRED); then its hello, with the attempt's
+    token, must come within HELLO_TIMEOUT_S and HELLO_MAX_BYTES. A rank's line may be as long as
+    a dump (MESSAGE_MAX_BYTES), and all connections together hold at most TOTAL_BUFFER_BYTES of
+    partial lines and MAX_CONNECTIONS connections: past any of these the connection is dropped,
+    so no peer can grow the relay until the OOM killer ends it and its healthy node is blamed."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.transport: asyncio.Transport | None = None
+        self.rank: int | None = None
+        self.buf = bytearray()
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if not is_same_user(sock):
+            log.warning("node relay on %s: refused a connection from uid %d (not this job's user)",
+                        self.relay.node, peer_uid(sock))
+            transport.abort()
+            return
+        if len(self.relay.connections) >= MAX_CONNECTIONS:
+            log.warning("node relay on %s: refused a connection past %d", self.relay.node, MAX_CONNECTIONS)
+            transport.abort()
+            return
+        self.relay.connections.add(self)
+        self._deadline = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, self._late)
+
+    def _late(self) -> None:
+        if self.rank is None:
+            self.drop()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self.relay.buffered += len(data)
+        while (end := self.buf.find(b"\n")) >= 0:
+            raw = bytes(self.buf[:end])
+            del self.buf[: end + 1]
+            self.relay.buffered -= end + 1
+            if not self._take(raw):
+                self.drop()
+                return
+        limit = MESSAGE_MAX_BYTES if self.rank is not None else HELLO_MAX_BYTES
+        if len(self.buf) > limit or self.relay.buffered > TOTAL_BUFFER_BYTES:
+            self.drop()
+
+    def _take(self, raw: bytes) -> bool:
+        """One line; False when the connection is to be dropped (no valid hello first)."""
+        message = parse_message(raw)
+        if self.rank is None:
+            assert self.transport is not None
+            self.rank = self.relay.hello(message, self.transport) if message is not None else None
+            return self.rank is not None
+        if message is not None:  # the monitor would ignore a malformed one too
+            self.relay.rank_says(self.rank, message)
+        return True
+
+    def drop(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()  # connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self not in self.relay.connections:
+            return  # refused in connection_made
+        self.relay.connections.discard(self)
+        self.relay.buffered -= len(self.buf)
+        self.buf.clear()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        if self.rank is not None and self.transport is not None:
+            self.relay.rank_gone(self.rank, self.transport)
+
+
+def is_dump_request(raw: bytes) -> bool:
+    """Whether the line `raw` is the supervisor's request for stacks and records."""
     try:
         message = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(message, dict) and message.get("type") == "dump"
 
