@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from mshpc.errors import ConfigError
+from mshpc.errors import ConfigError, shown
 
 
 def at_least(bound: float, *, default: Any) -> Any:
@@ -764,6 +765,19 @@ def _check_data(d: DataConfig) -> None:
         raise ConfigError(f"data.indexed_val_fraction={d.indexed_val_fraction} must be in [0, 1) (e.g. 0.01)")
 
 
+# run.name becomes a folder, a Slurm job name and part of generated scripts: a plain name only
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def _check_run(r: RunConfig) -> None:
+    if not RUN_NAME.fullmatch(r.name) or r.name in (".", ".."):
+        raise ConfigError(f"run.name={shown(r.name)} is not a plain name (choose 1 to 128 letters, digits and . _ -, "
+                          "not . or ..)")
+    if any(not c.isprintable() for c in r.out_dir):
+        raise ConfigError(f"run.out_dir={shown(r.out_dir)} holds a control character (a newline would end a line "
+                          "of the job scripts it goes into)")
+
+
 def _check_loggers(r: RunConfig) -> None:
     if "jsonl" not in r.loggers:
         raise ConfigError(f"run.loggers={list(r.loggers)} must include 'jsonl' (metrics.jsonl is what "
@@ -785,6 +799,7 @@ def validate(cfg: Config) -> Config:
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} must be <= optim.lr={cfg.optim.lr}")
     _check_diagnose(cfg.diagnose)
+    _check_run(cfg.run)
     _check_loggers(cfg.run)
     return cfg
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from mshpc.checkpoint.paths import checkpoint_root
 from mshpc.config import Config, SlurmConfig, SupervisorConfig, dump_yaml, load_config
-from mshpc.errors import ConfigError, LaunchError
+from mshpc.errors import ConfigError, LaunchError, shown
 from mshpc.launch.requeue import finished_by, latest_checkpoint_step, mark_finished
 from mshpc.run_dir import run_path
 
@@ -45,6 +45,19 @@ def check_slurm_parameters(kwargs: dict[str, Any]) -> None:
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"unknown Slurm parameter {key!r} ({hint}valid: {', '.join(valid)})")
+    check_script_values(kwargs)
+
+
+def check_script_values(values: dict[str, Any], where: str = "") -> None:
+    """Every value that goes into the job script (an `#SBATCH --key=value` line, shell-quoted by
+    submitit) must be printable: a newline inside the quotes would end the line there, run the
+    rest as commands, and make sbatch ignore every later #SBATCH line."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            check_script_values(value, f"{where}{key}.")
+        elif any(not c.isprintable() for c in str(value)):
+            raise ConfigError(f"Slurm parameter {where}{key}={shown(value)} holds a control character (a newline "
+                              "would end its line of the job script)")
 
 
 def time_minutes(limit: int | str) -> int:
@@ -207,6 +220,7 @@ def build_executor(folder: Path, cluster: str | None, nodes: int, tasks_per_node
     if cluster is not None and cluster not in CLUSTERS:
         raise ConfigError(f"cluster={cluster!r} (choose {', '.join(CLUSTERS)}, or None: Slurm when srun is here)")
     check_slurm_parameters(slurm_kwargs)
+    check_script_values({"name": name, "folder": str(folder), "partition": partition or "", "time": time})
     kwargs = {f"slurm_{k}": v for k, v in slurm_kwargs.items()}
     delay_s = kwargs.pop("slurm_signal_delay_s", SIGNAL_DELAY_S)
     # no-kill: a failed node shrinks the allocation; the supervisor replaces it (a spare) or requeues

@@ -50,3 +50,25 @@ def test_local_cluster_runs_the_job_without_slurm(tmp_path, corpus_cache):
     result = job.result(timeout_s=240)
     assert result.run_dir == tmp_path / "tiny" and result.steps == 3
     assert "rank 0/2" in job.log(0)  # the config's two ranks, started by the local launcher
+
+
+@pytest.mark.parametrize("name", ['"a\\ntouch /tmp/mshpc-pwned\\n#"', "a b", "../up", "x;id", "''", "é", "a" * 129])
+def test_run_name_is_a_plain_name_or_one_line_and_exit_2(tmp_path, name):
+    # issue #43, finding 4: a newline in run.name ran commands in the sbatch script `mshpc submit`
+    # writes, and made sbatch drop every later #SBATCH line
+    out = subprocess.run([sys.executable, "-m", "mshpc", "submit", str(REPO / "configs/tiny.yaml"), "--cluster",
+                          "local", "--set", f"run.name={name}", "--set", f"run.out_dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith("mshpc: error: ConfigError: run.name=") and "is not a plain name" in line
+    assert not any(tmp_path.iterdir())  # nothing written, nothing submitted
+
+
+def test_every_value_of_the_job_script_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"Slurm parameter account='proj\\ntouch x' holds a control character"):
+        mshpc.submit(REPO / "configs/tiny.yaml", cluster="local", folder=tmp_path, account="proj\ntouch x")
+    with pytest.raises(ConfigError, match=r"Slurm parameter additional_parameters.mail-user=.*control character"):
+        check_slurm_parameters({"additional_parameters": {"mail-user": "a@b\n#SBATCH --x"}})
+    with pytest.raises(ConfigError, match=r"run.out_dir='r\\nx' holds a control character"):
+        mshpc.submit(REPO / "configs/tiny.yaml", overrides=['run.out_dir="r\\nx"'], cluster="local", folder=tmp_path)
