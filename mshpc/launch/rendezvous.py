@@ -25,6 +25,9 @@ orders over several groups must connect first (parallel.pipeline.build_links doe
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import ipaddress
 import logging
 import os
 import socket
@@ -43,6 +46,8 @@ from mshpc.launch.ports import free_port
 log = logging.getLogger(__name__)
 
 SLURM_PORT_BASE = 20000  # job-derived ports land in [20000, 40000)
+PROOF_KEY = "mshpc/store-proof"
+TRUST_WAIT_S = 60.0  # for a reached store to answer and show its proof
 STORE_POLL_S = 0.01  # how often a rank looks for rank 0's store before connecting to it
 GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"  # torch reads it at each gloo group's creation
 
@@ -90,16 +95,43 @@ def first_host(nodelist: str) -> str:
     return out.split()[0]
 
 
-def _address(env: LaunchEnv) -> tuple[LaunchEnv, str, int]:
+class StoreUnavailable(RuntimeError):
+    """Rank 0 cannot serve the rendezvous store (its port is taken), or the store a rank reached
+    is not this job's: not the config's fault, so not a user error (exit 2, never requeued). The
+    next attempt's store has another port (a new supervisor token, a new free port)."""
+
+
+def slurm_port(job_id: int, secret: str | None) -> int:
+    """The store's port under Slurm when MASTER_PORT is not set: every rank computes it alike
+    from the job and the attempt's secret (the supervisor's token, in the ranks' environment,
+    which other users cannot read), so another user cannot bind it ahead of rank 0. Without a
+    supervisor, from the job id alone, as before."""
+    key = f"{secret}/{job_id}" if secret else str(job_id)
+    return SLURM_PORT_BASE + int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % 20000
+
+
+def _address(env: LaunchEnv, secret: str | None) -> tuple[LaunchEnv, str, int]:
     if env.launcher == "mpi":
         return _mpi_rendezvous(env)
     if env.launcher == "slurm":
         assert env.slurm is not None
         addr = env.master_addr or first_host(env.slurm.nodelist)
-        port = env.master_port or SLURM_PORT_BASE + env.slurm.job_id % 20000
+        port = env.master_port or slurm_port(env.slurm.job_id, secret)
         return env, addr, port
     assert env.master_addr is not None and env.master_port is not None
     return env, env.master_addr, env.master_port
+
+
+def bind_address(addr: str, all_local: bool) -> str:
+    """The interface rank 0's store listens on: the one `addr` (the name every rank connects to)
+    names here; loopback for a local run. A name that resolves to loopback here while ranks on
+    other nodes must reach it (Debian's /etc/hosts maps the host's own name to 127.0.1.1) leaves
+    no single interface to choose: then every interface, as torch does."""
+    try:
+        ip = str(socket.getaddrinfo(addr, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+    except OSError as exc:
+        raise LaunchError(f"the rendezvous address {addr!r} does not resolve to an IPv4 address ({exc})") from None
+    return "0.0.0.0" if ipaddress.ip_address(ip).is_loopback and not all_local else ip
 
 
 def wait_listening(addr: str, port: int, timeout_s: float) -> None:
@@ -116,8 +148,8 @@ def wait_listening(addr: str, port: int, timeout_s: float) -> None:
             time.sleep(STORE_POLL_S)
 
 
-def listen_ipv4(port: int, world_size: int) -> int:
-    """A listening IPv4 socket on every interface, handed to TCPStore as a descriptor it owns.
+def listen_ipv4(host: str, port: int, world_size: int) -> int:
+    """A listening IPv4 socket on `host`'s interface, handed to TCPStore as a descriptor it owns.
     torch's own is dual-stack, so rank 0 sees each peer as ::ffff:a.b.c.d, which /etc/hosts never
     lists, and names it by a reverse DNS query on the store's one thread before serving it: 2
     queries per rank there, one after another (a lost reply stalls everyone 5 s). A plain IPv4
@@ -125,24 +157,52 @@ def listen_ipv4(port: int, world_size: int) -> int:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(("0.0.0.0", port))
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise LaunchError(f"rank 0 cannot serve the rendezvous store on port {port}: {exc.strerror} "
-                          f"(another job on this node? set MASTER_PORT)") from None
+        raise StoreUnavailable(f"rank 0 cannot serve the rendezvous store on {host}:{port}: {exc.strerror} "
+                               "(another job or user holds it; the next attempt takes another port)") from None
     sock.listen(max(world_size, socket.SOMAXCONN))  # every rank connects at once
     return sock.detach()  # TCPStore closes it
 
 
-def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0 serves the store; the others connect as soon as it listens. No rank waits for the
-    others here: the process group's own connections do that."""
+def store_proof(secret: str, port: int) -> str:
+    """What rank 0 writes into its store to show it holds the job's secret: an HMAC of the port
+    under the attempt's token, worthless to anyone who reads it (only this attempt's store, on
+    this port, which rank 0 holds, carries it)."""
+    return hmac.new(secret.encode(), f"mshpc-store/{port}".encode(), hashlib.sha256).hexdigest()
+
+
+def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
+                  secret: str | None = None, bind_host: str = "0.0.0.0") -> dist.TCPStore:
+    """Rank 0 serves the store on `bind_host`; the others connect as soon as it listens, and with
+    a `secret` trust it only once it shows the proof (`store_proof`): a listener another user put
+    on the port cannot. No rank waits for the others here: the process group's own connections do
+    that. torch's TCPStore itself has no access control: anyone who reaches it may read and write
+    keys (docs/security.md says what that leaves)."""
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
-        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=listen_ipv4(port, world_size))
+        store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=listen_ipv4(bind_host, port, world_size))
+        if secret:
+            store.set(PROOF_KEY, store_proof(secret, port))
+        return store
     wait_listening(addr, port, timeout_s)
-    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    quick = timedelta(seconds=min(timeout_s, TRUST_WAIT_S))  # a listener that is no store must not hold us for long
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=quick)
+        if secret:
+            store.wait([PROOF_KEY], quick)
+            if not hmac.compare_digest(store.get(PROOF_KEY), store_proof(secret, port).encode()):
+                raise StoreUnavailable(f"the rendezvous store at {addr}:{port} does not hold this job's secret: "
+                                       "not this job's store (another user's listener on its port?)")
+    except StoreUnavailable:
+        raise
+    except RuntimeError as exc:  # torch's DistError and its kin: a listener that does not speak the store's protocol
+        raise StoreUnavailable(f"the listener at {addr}:{port} is not this job's rendezvous store within "
+                               f"{quick.total_seconds():g} s ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") from None
+    store.set_timeout(timeout)
+    return store
 
 
 def connect_lazily() -> None:
@@ -160,9 +220,11 @@ def init_distributed(env: LaunchEnv, timeout_s: float = 600.0) -> DistInfo:
     if env.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        env, addr, port = _address(env)
+        secret = env.supervisor.token if env.supervisor is not None else None
+        env, addr, port = _address(env, secret)
         check_world(env, env.world_size)
-        store = connect_store(addr, port, env.rank, env.world_size, timeout_s)
+        bind_host = bind_address(addr, env.local_world_size >= env.world_size) if env.rank == 0 else ""
+        store = connect_store(addr, port, env.rank, env.world_size, timeout_s, secret, bind_host)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     log.info("rank %d/%d on %s: %s via %s", env.rank, env.world_size, env.node, backend, env.launcher)
     return DistInfo(
