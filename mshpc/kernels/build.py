@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import time
@@ -22,6 +23,7 @@ import torch
 from mshpc.errors import KernelError
 from mshpc.kernels import library_cache
 from mshpc.kernels.library_cache import Recipe, cpu_features
+from mshpc.regular_files import fd_path
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +111,8 @@ def _compile(spec: Recipe, verbose: bool) -> Path:
     if shutil.which("ninja") is None:  # torch runs it from PATH, even for a cached build
         raise KernelError("ninja is not on PATH (pip's ninja is in the venv: activate it, or "
                           "install ninja-build)")
-    folder = build_dir(spec)
-    folder.mkdir(parents=True, exist_ok=True)
+    library_cache.private_folder(spec.cache_dir)
+    folder = library_cache.private_folder(build_dir(spec))
     try:
         path = cpp_extension.load(
             name=spec.name, sources=[str(s) for s in spec.sources], build_directory=str(folder),
@@ -138,12 +140,15 @@ def load_library(spec: Recipe, verbose: bool = False) -> tuple[Path, bool]:
     loading both would register the operators twice."""
     before = library_cache.key(spec)
     kept = library_cache.kept_path(spec, before)
-    if kept.is_file():
+    fd = library_cache.open_kept(kept)  # a KernelError for one another user could have written
+    if fd is not None:
         try:
-            torch.ops.load_library(str(kept))
+            torch.ops.load_library(fd_path(fd))
             return kept, True
         except OSError as exc:  # a kept file damaged since (it is renamed into place whole): rebuild
             log.warning("kernel library %s does not load (%s); building again", kept, exc)
+        finally:
+            os.close(fd)
     built = _compile(spec, verbose)
     # Kept only if no input changed during the build, so the key names what was built.
     if library_cache.key(spec) == before:

@@ -12,12 +12,16 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from mshpc.errors import KernelError
+from mshpc.regular_files import open_regular
 
 
 @dataclass(frozen=True)
@@ -87,13 +91,54 @@ def kept_path(recipe: Recipe, recipe_key: str) -> Path:
 
 def keep(built: Path, recipe: Recipe, recipe_key: str) -> Path:
     """Copy the library just built for `recipe_key` to its kept path (atomically: ranks that build
-    at once each rename a whole copy, and a reader never sees half of one)."""
+    at once each rename a whole copy, and a reader never sees half of one), writable by its owner
+    alone, as `open_kept` requires."""
     target = kept_path(recipe, recipe_key)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    private_folder(target.parent)
     partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     try:
         shutil.copyfile(built, partial)
+        os.chmod(partial, 0o755)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
     return target
+
+
+def _untrusted(st: os.stat_result) -> str | None:
+    """Why a file or folder with status `st` may hold code another user chose, or None: owned by
+    someone other than this user and root, or writable by anyone but its owner."""
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by uid {st.st_uid}, not this user ({os.geteuid()}) or root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def open_kept(path: Path) -> int | None:
+    """A descriptor of the kept library `path`, None when there is none. Loading a library runs its
+    constructors in this process, so one is loaded only if it is a regular file (not through a
+    link) owned by this user or root and writable by nobody else; otherwise a KernelError says why.
+    Load it through `regular_files.fd_path`, so what loads is what was checked."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise KernelError(f"kept kernel library {path}: not loaded: {exc.strerror}") from None
+    why = _untrusted(os.fstat(fd))
+    if why is not None:
+        os.close(fd)
+        raise KernelError(f"kept kernel library {path}: not loaded: {why}")
+    return fd
+
+
+def private_folder(path: Path) -> Path:
+    """`path`, made if missing (only its owner may write it), refused with a KernelError if
+    another user owns it or may write in it: what is built there is loaded into this process."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o755)
+    why = _untrusted(os.stat(path))
+    if why is not None:
+        raise KernelError(f"kernel build folder {path}: {why}; nothing is built or loaded from it (chmod go-w it, or "
+                          "remove it)")
+    return path
