@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from mshpc.regular_files import NotRegularFile
+
 # What mshpc exits with on any MshpcError: the CLI, the batch script's helpers and the supervisor
 # (a rank's user error ends the run with it); a Slurm job that exits with it is not requeued.
 USER_ERROR_EXIT = 2
@@ -106,6 +108,10 @@ def writing_to(path: Path) -> Iterator[None]:
     retry, no eviction) instead of an OSError that reads as a broken node; other errors pass."""
     try:
         yield
+    except NotRegularFile as exc:  # a link, a FIFO or another user's file where the run writes
+        raise RunEnvironmentError(f"cannot write {exc.filename}: {exc.strerror}; the run writes only its own "
+                                  "plain files (another user may have put it there: remove it, or choose a "
+                                  "run.out_dir only you can write)") from None
     except OSError as exc:
         error = _disk_full(exc, path)
         if error is None:

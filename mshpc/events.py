@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mshpc.errors import writing_to
+from mshpc.regular_files import open_regular, read_text_lines
 
 EVENTS_FILE = "events.jsonl"
 
@@ -38,7 +39,7 @@ def open_for_append(path: Path) -> int:
     tore, so that the next record starts a line of its own instead of joining the torn one (and
     being lost with it to every reader). Two processes that both end it leave an empty line,
     which readers skip like a torn one."""
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644, own=True)
     size = os.fstat(fd).st_size
     if size and os.pread(fd, 1, size - 1) != b"\n":
         os.write(fd, b"\n")
@@ -53,10 +54,8 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every whole JSON line of a file mshpc appends to (none if it is missing); a line torn by
     a crash mid-write is skipped."""
-    if not path.exists():
-        return []
     records = []
-    for line in path.read_text().splitlines():
+    for line in read_text_lines(path):
         try:
             records.append(json.loads(line))
         except ValueError:

@@ -40,6 +40,8 @@ def open_regular(path: str | Path, flags: int = os.O_RDONLY, mode: int = 0o644, 
         if own and st.st_uid != os.geteuid():
             raise NotRegularFile(errno.EPERM, f"owned by uid {st.st_uid}, not this user ({os.geteuid()})",
                                  str(path))
+        if own and st.st_nlink > 1:  # a hard link to a file of ours elsewhere, which a write would change
+            raise NotRegularFile(errno.EMLINK, f"has {st.st_nlink} hard links", str(path))
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -53,6 +55,22 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a file"
+
+
+def write_own(path: str | Path, data: str | bytes, sync: bool = False) -> None:
+    """Make `data` the whole content of `path`, this user's regular file (created if missing):
+    never through a link, never into another user's file, and truncated only once that is known
+    (O_TRUNC would cut whatever the name points at before any check); `sync`: fsync it too."""
+    fd = open_regular(path, os.O_WRONLY | os.O_CREAT, 0o644, own=True)
+    try:
+        os.ftruncate(fd, 0)
+        view = memoryview(data.encode() if isinstance(data, str) else data)
+        while view:
+            view = view[os.write(fd, view):]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_regular(path: str | Path, max_bytes: int) -> bytes:
@@ -71,6 +89,16 @@ def read_regular(path: str | Path, max_bytes: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_text_lines(path: str | Path, keepends: bool = False) -> list[str]:
+    """The lines of the regular file `path` (opened as `open_regular` does); none when it is missing."""
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        return []
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+        return f.read().splitlines(keepends)
 
 
 def fd_path(fd: int) -> str:

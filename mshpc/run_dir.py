@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, TextIO
 
 from mshpc.config import RunConfig
 from mshpc.errors import RunEnvironmentError, writing_to
+from mshpc.regular_files import open_regular, read_text_lines, write_own
 
 
 def run_path(run: RunConfig) -> Path:
@@ -25,10 +27,8 @@ def _jsonable(value: Any) -> Any:
 
 
 def _records_up_to(path: Path, step: int) -> list[str]:
-    if not path.exists():
-        return []
     kept = []
-    for line in path.read_text().splitlines(keepends=True):
+    for line in read_text_lines(path, keepends=True):
         try:
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line)
@@ -47,7 +47,9 @@ class MetricsLog:
         kept = _records_up_to(path, start_step) if start_step > 0 else []
         self.path, self._failed = path, False
         with writing_to(path):
-            self._file: TextIO = path.open("w")
+            fd = open_regular(path, os.O_WRONLY | os.O_CREAT, 0o644, own=True)  # not through a planted link
+            os.ftruncate(fd, 0)
+            self._file: TextIO = os.fdopen(fd, "w")
             self._file.writelines(kept)
             self._file.flush()
 
@@ -75,5 +77,5 @@ def create_run_dir(path: Path, config_yaml: str, start_step: int = 0) -> Metrics
     and open the metrics log."""
     with writing_to(path / "config.yaml"):
         path.mkdir(parents=True, exist_ok=True)
-        (path / "config.yaml").write_text(config_yaml)
+        write_own(path / "config.yaml", config_yaml)
     return MetricsLog(path / "metrics.jsonl", start_step)

@@ -26,10 +26,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mshpc.errors import MshpcError
+from mshpc.regular_files import open_regular, read_regular
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+HOLDER_MAX_BYTES = 64 * 1024  # a holder is one JSON line
 LOCK_ENV = "MSHPC_RUN_LOCK"  # <host>:<pid>:<nonce> of the holder, inherited by the ranks it starts
 _READ_TRIES = 5  # a holder writes its line just after it takes the flock: a reader may come between
 _READ_RETRY_S = 0.05
@@ -111,7 +113,7 @@ def read_holder(path: Path) -> Holder | None:
     """The holder named in a lock file; None when it names none (released, or never taken)."""
     for _ in range(_READ_TRIES):
         try:
-            text = path.read_text()
+            text = read_regular(path, HOLDER_MAX_BYTES).decode("utf-8", "replace")
         except FileNotFoundError:
             return None
         if not text:
@@ -184,7 +186,7 @@ def acquire_run_lock(run_dir: Path) -> RunLock:
     path = run_dir / LOCK_FILE
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not inherited by the ranks
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT, 0o644, own=True)  # O_CLOEXEC: not inherited by the ranks
     except OSError as exc:
         raise RunLockError(f"{path}: cannot create the run directory's lock file ({exc.strerror})") from None
     try:

@@ -117,7 +117,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
-def _open_direct(path: Path) -> int | None:
+def _open_direct(path: str) -> int | None:
     """An O_DIRECT descriptor, or None where the file system refuses one (tmpfs)."""
     try:
         return os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
@@ -127,7 +127,7 @@ def _open_direct(path: Path) -> int | None:
         raise
 
 
-def _write_data(path: Path, jobs: list[tuple[np.ndarray, int]]) -> None:
+def _write_data(path: str, jobs: list[tuple[np.ndarray, int]]) -> None:
     """Write each array at its file offset, then fsync. Page-aligned parts go through O_DIRECT:
     here that is ~3x the buffered path's throughput (which pays for page-cache allocation) and
     keeps a checkpoint from evicting the training data from the cache."""
@@ -153,10 +153,21 @@ def write_shard(path: Path, items: dict[str, TensorSlice]) -> list[TensorEntry]:
     """Write host slices to `path` and fsync it; return their manifest entries with checksums."""
     check_space(path, items)
     arrays = {name: to_numpy(piece.tensor.contiguous()) for name, piece in items.items()}
+    # Created here, never through a link or into another user's file; h5py and the writes below
+    # open this very file through its descriptor.
+    own = open_regular(path, os.O_RDWR | os.O_CREAT, 0o644, own=True)
+    try:
+        return _write_shard(path, fd_path(own), items, arrays)
+    finally:
+        os.close(own)
+
+
+def _write_shard(path: Path, open_path: str, items: dict[str, TensorSlice],
+                 arrays: dict[str, np.ndarray]) -> list[TensorEntry]:
     with ThreadPoolExecutor(max_workers=1) as pool:
         crcs = {name: pool.submit(zlib.crc32, a.data) for name, a in arrays.items()}  # beside the writes
         # Large datasets start on page boundaries, as O_DIRECT needs.
-        with h5py.File(path, "w", alignment_threshold=_DIRECT_MIN_BYTES, alignment_interval=ALIGN_BYTES) as f:
+        with h5py.File(open_path, "w", alignment_threshold=_DIRECT_MIN_BYTES, alignment_interval=ALIGN_BYTES) as f:
             deferred = [name for name, a in arrays.items() if _create(f, name, a)]
             offsets = {}
             for name, piece in items.items():
@@ -164,7 +175,7 @@ def write_shard(path: Path, items: dict[str, TensorSlice]) -> list[TensorEntry]:
                 dset.attrs["start"], dset.attrs["global_shape"] = piece.start, list(piece.global_shape)
                 dset.attrs["dtype"] = dtype_name(piece.tensor)
                 offsets[name] = dset.id.get_offset()  # None only for an empty dataset
-        _write_data(path, [(arrays[name], offsets[name]) for name in deferred])
+        _write_data(open_path, [(arrays[name], offsets[name]) for name in deferred])
         return [
             TensorEntry(name=name, global_shape=tuple(piece.global_shape), dtype=dtype_name(piece.tensor),
                         file=path.name, dataset=name, start=piece.start, numel=piece.tensor.numel(),

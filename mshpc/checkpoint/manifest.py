@@ -38,7 +38,7 @@ from typing import Any
 
 from mshpc.checkpoint.paths import fsync_dir
 from mshpc.errors import CheckpointError, shown
-from mshpc.regular_files import read_regular
+from mshpc.regular_files import read_regular, write_own
 
 FORMAT = "mshpc-checkpoint"
 VERSION = 1
@@ -147,10 +147,7 @@ def astuple_shallow(e: TensorEntry) -> tuple[Any, ...]:
 
 
 def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_own(path, text, sync=True)
 
 
 def write_manifest(folder: Path, m: Manifest) -> None:

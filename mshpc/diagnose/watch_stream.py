@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from mshpc.errors import writing_to
+from mshpc.regular_files import open_regular
 
 WATCH_DIR = "watch"
 RECORD = np.dtype([("step", "<i8"), ("step_s", "<f8"), ("compute", "<f8"), ("data_wait", "<f8"),
@@ -76,7 +77,7 @@ class StreamWriter:
         self._row_bytes = ranks_per_file * RECORD.itemsize
         with writing_to(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)  # shared: never truncated
+            self._fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT, 0o644, own=True)  # shared: never truncated
             os.pwrite(self._fd, _SLOT_HEAD.pack(len(data), zlib.crc32(data)) + data, slot * HEAD_BYTES)
         self._buffer: list[tuple[int, float, float, float, int, int]] = []
 
@@ -218,7 +219,7 @@ class StreamReader:
         fd = self._fds[g]
         if fd is None:
             try:
-                fd = os.open(self._paths[g], os.O_RDONLY)
+                fd = open_regular(self._paths[g])
             except FileNotFoundError:
                 return None
         try:

@@ -14,8 +14,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mshpc.errors import writing_to
 from mshpc.launch.detection import Detection
 from mshpc.launch.monitor import RankState
+from mshpc.regular_files import write_own
 
 REPORT_FILE = "hang-report.txt"
 RECORDS_SHOWN = 8
@@ -107,5 +109,6 @@ def write_hang_report(path: Path, detection: Detection, states: dict[int, RankSt
             lines.append("  Python stacks (faulthandler):")
             lines += ["    " + line for line in s.dump["stacks"].splitlines()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    with writing_to(path):
+        write_own(path, "\n".join(lines) + "\n")
     return path

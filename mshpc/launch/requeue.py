@@ -28,14 +28,16 @@ from typing import Any, NoReturn
 
 from mshpc.checkpoint.paths import checkpoint_root, latest_step
 from mshpc.config import SlurmConfig, load_config
-from mshpc.errors import USER_ERROR_EXIT, MshpcError, print_error
+from mshpc.errors import USER_ERROR_EXIT, MshpcError, print_error, writing_to
 from mshpc.launch.env import LaunchEnv, SlurmEnv, read_launch_env
+from mshpc.regular_files import read_regular, write_own
 from mshpc.run_dir import run_path
 
 log = logging.getLogger(__name__)
 
 FINISHED_FILE = "FINISHED"
 STATE_FILE = "requeue.json"
+STATE_MAX_BYTES = 64 * 1024  # the guard state and the FINISHED marker are a line each
 _STOP, _REQUEUE = 1, 2  # what a signal asks for; the strongest one received wins
 # What mshpc's supervisor sends its ranks to ask for a stop checkpoint (and what a rank sends
 # itself when its supervisor is gone). Not SIGTERM: a local supervisor stops failed attempts' ranks
@@ -193,13 +195,14 @@ def account(prior: GuardState | None, job: str, checkpoint_step: int | None) -> 
 
 def read_state(run_dir: Path) -> GuardState | None:
     path = run_dir / STATE_FILE
-    return GuardState(**json.loads(path.read_text())) if path.is_file() else None
+    return GuardState(**json.loads(read_regular(path, STATE_MAX_BYTES))) if path.is_file() else None
 
 
 def write_state(run_dir: Path, state: GuardState) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f".{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(dataclasses.asdict(state)))
+    with writing_to(tmp):
+        write_own(tmp, json.dumps(dataclasses.asdict(state)))
     tmp.replace(run_dir / STATE_FILE)
 
 
@@ -234,13 +237,14 @@ def requeue_guarded(env: LaunchEnv, *, slurm: SlurmConfig, run_dir: Path, checkp
 def mark_finished(run_dir: Path, job: str, step: int | None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"job": job, "step": step, "finished_unix": time.time()}
-    (run_dir / FINISHED_FILE).write_text(json.dumps(record) + "\n")
+    with writing_to(run_dir / FINISHED_FILE):
+        write_own(run_dir / FINISHED_FILE, json.dumps(record) + "\n")
 
 
 def finished_by(run_dir: Path, job: str) -> bool:
     """Whether this same job already finished this run (a later submission trains anew)."""
     path = run_dir / FINISHED_FILE
-    return path.is_file() and json.loads(path.read_text()).get("job") == job
+    return path.is_file() and json.loads(read_regular(path, STATE_MAX_BYTES)).get("job") == job
 
 
 # ---------------------------------------------------------------- the batch script's side

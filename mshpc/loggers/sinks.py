@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
 from mshpc.config import RunConfig
 from mshpc.errors import writing_to
 from mshpc.events import EVENTS_FILE
+from mshpc.regular_files import open_regular, read_regular, write_own
 from mshpc.run_dir import MetricsLog
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class EventTail:
     def __init__(self, run_dir: Path) -> None:
         self.path, self.offset_path = run_dir / EVENTS_FILE, run_dir / OFFSET_FILE
         try:
-            self.offset = int(self.offset_path.read_text())
+            self.offset = int(read_regular(self.offset_path, 64))
         except (OSError, ValueError):
             self.offset = 0
 
@@ -56,9 +58,11 @@ class EventTail:
             self.offset = 0
         if size == self.offset:
             return []  # the common case, once per logged step: one stat
-        with self.path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
+        fd = open_regular(self.path)
+        try:
+            data = os.pread(fd, size - self.offset, self.offset)
+        finally:
+            os.close(fd)
         whole = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next call
         records = []
         for line in whole.splitlines():
@@ -68,7 +72,7 @@ class EventTail:
                 continue  # torn by a crash
         self.offset += len(whole)
         with writing_to(self.offset_path):
-            self.offset_path.write_text(str(self.offset))
+            write_own(self.offset_path, str(self.offset))
         return records
 
 
