@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -410,7 +411,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if origin is tuple:  # tuple[X, ...]: a YAML list, each item checked as an X
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}={value!r} must be a list (e.g. [{_describe(typing.get_args(tp)[0])}])")
+            raise ConfigError(f"{key}={shown(value)} must be a list (e.g. [{_describe(typing.get_args(tp)[0])}])")
         item = typing.get_args(tp)[0]
         if dataclasses.is_dataclass(item):
             return tuple(_build(item, v, f"{key}[{i}].") for i, v in enumerate(value))  # type: ignore[arg-type]
@@ -448,8 +449,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
     if origin is Literal:
-        raise ConfigError(f"{key}={value!r} is not a valid choice (choose {_describe(tp)})")
-    raise ConfigError(f"{key}={value!r} has the wrong type (expected {_describe(tp)})")
+        raise ConfigError(f"{key}={shown(value)} is not a valid choice (choose {_describe(tp)})")
+    raise ConfigError(f"{key}={shown(value)} has the wrong type (expected {_describe(tp)})")
 
 
 def _section(tp: Any) -> type | None:
@@ -466,12 +467,12 @@ def _section(tp: Any) -> type | None:
 def _unknown_key(key: str, valid: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], valid, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    return ConfigError(f"unknown config key {key!r} ({hint}valid: {', '.join(valid)})")
+    return ConfigError(f"unknown config key {shown(key)} ({hint}valid: {', '.join(valid)})")
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {shown(data)}")
     hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -509,7 +510,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     """Apply one `a.b=value` override to nested plain data; the value is parsed as YAML."""
     key, sep, raw = override.partition("=")
     if not sep or not key:
-        raise ConfigError(f"override {override!r} must look like section.key=value")
+        raise ConfigError(f"override {shown(override)} must look like section.key=value")
     parts = key.split(".")
     cls: type = Config
     node = data
@@ -522,7 +523,7 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if depth == len(parts) - 1:
             if section is hints[part]:  # an optional section may be set whole: model.moe=null or {}
                 raise ConfigError(f"override {key!r} names a section; give one of its keys")
-            node[part] = parse_yaml(raw, f"override {override!r}") if raw else ""
+            node[part] = parse_yaml(raw, f"override {shown(override)}") if raw else ""
             return
         if section is None:
             raise ConfigError(f"override {key!r}: {dotted!r} is a value, not a section")
@@ -550,7 +551,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue  # the base class says why such a key cannot be
             line = key_node.start_mark.line + 1
             if key in lines:
-                raise _DuplicateKey(f"key {key!r} appears twice (lines {lines[key]} and {line}); keep one")
+                raise _DuplicateKey(f"key {shown(key)} appears twice (lines {lines[key]} and {line}); keep one")
             lines[key] = line
         return super().construct_mapping(node, deep)
 
@@ -558,7 +559,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def parse_yaml(text: str, where: str) -> Any:
     """`text` as plain data, or a one-line ConfigError that starts with `where`."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only, no objects
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only, no objects
     except _DuplicateKey as exc:
         raise ConfigError(f"{where}: {exc}") from None
     except yaml.MarkedYAMLError as exc:
@@ -566,7 +567,33 @@ def parse_yaml(text: str, where: str) -> Any:
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"{where}: not valid YAML{at} ({exc.problem or exc.context})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"{where}: not valid YAML ({str(exc).splitlines()[0][:200]})") from None
+    except RecursionError:  # nested past the parser's depth
+        raise ConfigError(f"{where}: not valid YAML (nested too deeply)") from None
+    except ValueError as exc:  # an integer past Python's digit limit, a date out of range
+        raise ConfigError(f"{where}: a value YAML cannot build ({str(exc)[:200]})") from None
+    _check_expansion(data, where)
+    return data
+
+
+# A config has a few hundred values. Aliases share what they name, so the data YAML builds stays
+# small while a walk of it (any check, any message) visits every use of every alias: a 400-byte
+# file can stand for 10^9 values. The data is walked once, counting, and refused past this.
+YAML_VALUES_MAX = 100_000
+
+
+def _check_expansion(data: Any, where: str) -> None:
+    seen, stack = 0, [data]
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > YAML_VALUES_MAX:
+            raise ConfigError(f"{where}: the YAML stands for more than {YAML_VALUES_MAX} values (aliases that "
+                              "repeat aliases?); a config has a few hundred")
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
 
 
 def _read_config_text(path: Path) -> str:
@@ -618,6 +645,42 @@ def _divisors(n: int) -> str:
     return ", ".join(ds[:-1]) + " or " + ds[-1] if len(ds) > 1 else ds[0]
 
 
+# Every number must be finite (NaN passes every `<` check) and fit in 64 bits (torch's and
+# numpy's integers); these must also lie in their interval: (low, high, low closed, high closed).
+INT_MAX = 2**63 - 1
+RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "model.dropout": (0.0, 1.0, True, False), "model.rope_theta": (0.0, math.inf, False, False),
+    "model.norm_eps": (0.0, math.inf, False, False), "model.init_std": (0.0, math.inf, True, False),
+    "optim.beta1": (0.0, 1.0, True, False), "optim.beta2": (0.0, 1.0, True, False),
+    "optim.eps": (0.0, math.inf, False, False), "train.peak_tflops": (0.0, math.inf, False, False),
+    "preflight.burn_s": (0.0, math.inf, True, False), "supervisor.loss_limit": (-math.inf, math.inf, False, False),
+}
+
+
+def _check_numbers(section: Any, prefix: str) -> None:
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_numbers(value, f"{key}.")
+        elif isinstance(value, tuple):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    _check_numbers(item, f"{key}[{i}].")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_MAX:
+            raise ConfigError(f"{key}={shown(value)} is past the largest integer mshpc takes ({INT_MAX})")
+        if key in RANGES and value is not None:
+            _check_range(key, value, *RANGES[key])
+
+
+def _check_range(key: str, value: float, low: float, high: float, low_closed: bool, high_closed: bool) -> None:
+    if (value > low or (low_closed and value == low)) and (value < high or (high_closed and value == high)):
+        return
+    left, right = "[" if low_closed else "(", "]" if high_closed else ")"
+    raise ConfigError(f"{key}={value} must lie in {left}{low:g}, {high:g}{right}")
+
+
 def _check_minimums(section: Any, prefix: str) -> None:
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
@@ -627,7 +690,29 @@ def _check_minimums(section: Any, prefix: str) -> None:
             raise ConfigError(f"{prefix}{f.name}={value} must be >= {f.metadata['min']}")
 
 
+# No model anyone trains comes near it (Llama 3's largest: 4e11): past it a config holds a typo,
+# and building the model would end in the OOM killer, blamed on the node.
+PARAMS_MAX = 10**14
+
+
+def model_params(m: ModelConfig) -> int:
+    """About how many parameters model `m` has (embedding, head if untied, attention and MLP
+    matrices, every expert's; norms and biases left out): for bounds, not for reports
+    (plan/memory.py)."""
+    hd = m.head_dim if m.head_dim is not None else m.d_model // max(m.n_head, 1)
+    attention = m.d_model * (m.n_head + 2 * m.kv_heads) * hd + m.n_head * hd * m.d_model
+    mlp = m.d_model * m.ffn_width * (3 if m.mlp == "swiglu" else 2)
+    if m.moe is not None:
+        width = m.moe.expert_ffn_dim if m.moe.expert_ffn_dim is not None else m.ffn_width
+        mlp = max(mlp, 3 * m.d_model * width * (m.moe.n_experts + m.moe.n_shared_experts))
+    return m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.n_layer * (attention + mlp)
+
+
 def _check_model(m: ModelConfig) -> None:
+    if model_params(m) > PARAMS_MAX:
+        raise ConfigError(f"the model has about {model_params(m):.2g} parameters (model.n_layer={m.n_layer}, "
+                          f"model.d_model={m.d_model}, model.vocab_size={m.vocab_size}), past any model "
+                          f"({PARAMS_MAX:.0e}); is a size mistyped?")
     if m.head_dim is None and m.d_model % m.n_head:
         raise ConfigError(
             f"model.n_head={m.n_head} does not divide model.d_model={m.d_model} "
@@ -788,6 +873,7 @@ def _check_loggers(r: RunConfig) -> None:
 
 def validate(cfg: Config) -> Config:
     """Check every value and combination; return the config unchanged."""
+    _check_numbers(cfg, "")  # first: a NaN would pass every check after it
     _check_minimums(cfg, "")
     _check_model(cfg.model)
     _check_moe(cfg.model)

@@ -63,8 +63,8 @@ from mshpc.parallel.pipeline import build_pipeline, pipeline_train_step
 from mshpc.parallel.update import clipped_update
 from mshpc.parallel.zero import ZeroEngine
 from mshpc.phases import BACKWARD, CHECKPOINT, COMPILE, DATA, EVAL, FORWARD, STEP
-from mshpc.plan.auto_layout import fit_layout, rank_device_spec, smallest_over_world
-from mshpc.plan.report import fit_warning
+from mshpc.plan.auto_layout import fit_layout, host_memory_bytes, rank_device_spec, smallest_over_world
+from mshpc.plan.report import fit_warning, memory_refusal
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
 from mshpc.save_schedule import SaveSchedule
@@ -92,6 +92,20 @@ def fit_to_world(cfg: Config, info: DistInfo) -> Config:
         if info.rank == 0:
             log.info(line)
     return resolve_world(cfg, info.world_size)
+
+
+def refuse_if_absurd(cfg: Config, rt: Runtime, info: DistInfo) -> None:
+    """A ConfigError on every rank alike when the config needs far more memory than this rank's
+    device has (plan/report.py), before anything is allocated for it."""
+    if rt.device.type == "cuda":
+        props = torch.cuda.get_device_properties(rt.device)
+        have, name = props.total_memory, props.name
+    else:
+        have, name = host_memory_bytes() // info.local_world_size, f"this host's memory / {info.local_world_size} ranks"
+    line = memory_refusal(have, name, 2 if rt.autocast_dtype is not None else 4, model_cfg=cfg.model,
+                          parallel=cfg.parallel, train=cfg.train)
+    if line is not None:
+        raise ConfigError(line)
 
 
 def warn_if_unfit(cfg: Config, rt: Runtime) -> None:
@@ -423,6 +437,7 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
         faults = build_fault_hooks(env, info, run_dir, checkpoints)
         with open_heartbeat(cfg, env.supervisor, info) as beat:
             rt = build_runtime(cfg.train, info)
+            refuse_if_absurd(cfg, rt, info)  # before the data, the model or the run directory
             select_cpu_tunings(rt.device)  # before the model: its optimizer and collectives follow it
             with claim_run_dir(run_dir, info, rt):  # before anything is written there
                 if info.rank == 0:

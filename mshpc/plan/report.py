@@ -90,6 +90,25 @@ def format_json(predictions: list[Prediction]) -> str:
     return "\n".join(json.dumps(p.to_json()) for p in predictions)
 
 
+# Past this multiple of its device's memory a config cannot run however the model errs (the
+# model counts the fullest stage exactly up to the allocator's slack): refused, not warned.
+REFUSE_FACTOR = 2.0
+
+
+def memory_refusal(device_memory_bytes: int, device_name: str, act_bytes: int, *, model_cfg: ModelConfig,
+                   parallel: ParallelConfig, train: TrainConfig) -> str | None:
+    """The one-line reason a config cannot run in `device_memory_bytes` per rank (the plan's
+    memory far past it: an absurd size, a typo), else None: said before anything is allocated,
+    rather than left to the OOM killer, which would read as a broken node."""
+    mem = memory(model_cfg, layout_of(parallel, train), schedule=parallel.pp_schedule, act_bytes=act_bytes)
+    if mem.total <= REFUSE_FACTOR * device_memory_bytes:
+        return None
+    return (f"this config needs about {mem.total / GIB:.3g} GiB per rank (weights {mem.weights / GIB:.3g}, "
+            f"optimizer {mem.optimizer / GIB:.3g}, activations {mem.activations / GIB:.3g} at "
+            f"train.micro_batch={train.micro_batch}) but {device_name} has {device_memory_bytes / GIB:.1f} GiB; "
+            "is a size mistyped? (`mshpc plan` lists layouts that fit)")
+
+
 def fit_warning(device_memory_bytes: int, device_name: str, *, model_cfg: ModelConfig, parallel: ParallelConfig,
                 train: TrainConfig) -> str | None:
     """A one-line warning when the config's own layout will not fit on its device, else None.
