@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -393,6 +394,7 @@ def global_batch(train: TrainConfig, parallel: ParallelConfig) -> int:
 # ---------------------------------------------------------------- building from plain data
 
 
+@functools.cache  # evaluating the string annotations is most of a config's load time
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
