@@ -81,8 +81,9 @@ def test_a_bad_config_json_is_one_line(tmp_path, llama_dir, text, why):
 def test_safetensors_shapes_are_checked_against_config_json_before_reading(tmp_path, llama_dir):
     hf = with_config(tmp_path, llama_dir, config_text(llama_dir, intermediate_size=64))  # the files hold 48
     cfg = import_config(hf, tmp_path / "out.yaml")
+    loaded = load_config(tmp_path / "out.yaml")
     with pytest.raises(InteropError) as err:
-        initial_model(load_config(tmp_path / "out.yaml"))
+        initial_model(loaded.model, loaded.train.init_from)
     assert str(err.value) == (f"{hf}: model.layers.0.mlp.gate_proj.weight is [48, 32] in its safetensors, but its "
                               "config.json implies [64, 32]"), cfg
 
