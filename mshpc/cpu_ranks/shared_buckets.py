@@ -7,8 +7,15 @@ through loopback: the sender's write copies it into the kernel, the receiver's r
 each on a core the ranks' compute needs, and the posting thread blocks on gloo's pair locks while
 the transfer runs. NCCL uses shared memory or NVLink between GPUs of a node, and DeepSpeed's CPU
 all-reduce shared memory; here a rank maps its peers' bucket buffers (one file per rank in
-/dev/shm, unlinked as soon as every rank has mapped it) and gloo carries only a one-byte "ready"
-per peer per collective, which orders the reads. Results are bitwise those of the point-to-point
+/dev/shm, made without a name: O_TMPFILE) and gloo carries only a one-byte "ready" per peer per
+collective, which orders the reads.
+
+A buffer never has a name, so no exit (kill -9 between creation and mapping included) leaves one
+behind: the kernel frees it with its last descriptor or mapping. A peer maps it through its
+owner's descriptor (/proc/<pid>/fd/<fd>, which only the same user may open), and only after
+checking that what opened is the very file its owner announced (device and inode), on the same
+host (boot id) and shared-memory folder, owned by this user: ranks that cannot, or another user's
+file, leave the buckets in private memory. Results are bitwise those of the point-to-point
 transport (gloo_p2p.py): the same sums in the same order.
 
 The reads happen in a collective's wait(), so a rank must not rewrite rows its peers may still be
@@ -24,7 +31,6 @@ import functools
 import logging
 import mmap
 import os
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,26 +68,26 @@ def map_buffers(specs: list[tuple[int, torch.dtype]], group: dist.ProcessGroup |
     cannot see the others' (ranks on other hosts): then the buckets stay in private memory."""
     me, peers = peers_of(group)
     offsets, nbytes = _layout(specs)
-    token = comm.broadcast_json(secrets.token_hex(8), src=_global(group, 0), group=group)
-    paths = [SHM_DIR / f"mshpc-{token}-{j}" for j in range(len(peers) + 1)]
-    made = _create(paths[me], nbytes)
+    fd = _create(nbytes)
     try:
-        maps = _map_all(paths, nbytes, made, group)
+        maps = _map_all(comm.all_gather_json(_identity(fd), group), me, fd, nbytes, group)
+        comm.barrier(group)  # every member has opened every descriptor it needs: this one may close
     finally:
-        if made:
-            paths[me].unlink()  # every member has mapped it, or none will: nothing is left behind
-    comm.barrier(group)  # and when any member returns, no member's file is left
+        if fd is not None:
+            os.close(fd)  # the mappings keep the memory; nothing has a name to leave behind
     if maps is None:
         return None
     remote = tuple(tuple(_views(m, specs, offsets)) for m in maps)
     return HostShared(group, me, tuple(peers), remote)
 
 
-def _map_all(paths: list[Path], nbytes: int, made: bool, group: dist.ProcessGroup | None) -> list[mmap.mmap] | None:
-    if not all(comm.all_gather_json(made, group)):
-        log.info("dp buckets in private memory: a rank could not create its file in %s", SHM_DIR)
+def _map_all(everyone: list[dict | None], me: int, fd: int | None, nbytes: int,
+             group: dist.ProcessGroup | None) -> list[mmap.mmap] | None:
+    ids = [who for who in everyone if who is not None]
+    if fd is None or len(ids) < len(everyone):
+        log.info("dp buckets in private memory: a rank could not create its buffer in %s", SHM_DIR)
         return None
-    maps = [_map(path, nbytes) for path in paths]
+    maps = [_map(fd if j == me else None, who, ids[me], nbytes) for j, who in enumerate(ids)]
     if not all(comm.all_gather_json(all(m is not None for m in maps), group)):
         log.info("dp buckets in private memory: the dp ranks do not share one host's %s", SHM_DIR)
         return None
@@ -143,30 +149,51 @@ def _layout(specs: list[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
     return offsets, max(end, _ALIGN)
 
 
-def _create(path: Path, nbytes: int) -> bool:
-    """This rank's file, its pages reserved now: tmpfs hands out pages on first touch, and one it
-    has no room for then kills the process (SIGBUS) instead of failing here."""
+def _create(nbytes: int) -> int | None:
+    """This rank's buffer: a file of SHM_DIR without a name (O_TMPFILE), its pages reserved now:
+    tmpfs hands out pages on first touch, and one it has no room for then kills the process
+    (SIGBUS) instead of failing here. None when SHM_DIR cannot hold it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
-        return False
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        return True
-    except OSError:
-        path.unlink()
-        return False
-    finally:
-        os.close(fd)
-
-
-def _map(path: Path, nbytes: int) -> mmap.mmap | None:
-    try:
-        fd = os.open(path, os.O_RDWR)  # no O_CREAT: a file this host does not have is not made
+        fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size < nbytes:
+        os.posix_fallocate(fd, 0, nbytes)
+        return fd
+    except OSError:
+        os.close(fd)
+        return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _identity(fd: int | None) -> dict | None:
+    """What a peer needs to open this rank's buffer and know it for what it is."""
+    if fd is None:
+        return None
+    st, folder = os.fstat(fd), os.stat(SHM_DIR)
+    return {"boot": _boot_id(), "folder": [folder.st_dev, folder.st_ino], "pid": os.getpid(), "fd": fd,
+            "file": [st.st_dev, st.st_ino]}
+
+
+def _map(own: int | None, who: dict, me: dict, nbytes: int) -> mmap.mmap | None:
+    """Member `who`'s buffer mapped here (`own`: this rank's own descriptor), or None when it is
+    not on this host and folder, or what opens is not its file or not this user's."""
+    if own is None and (who["boot"], who["folder"]) != (me["boot"], me["folder"]):
+        return None
+    try:
+        fd = os.open(f"/proc/{who['pid']}/fd/{who['fd']}", os.O_RDWR | os.O_CLOEXEC) if own is None else os.dup(own)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if [st.st_dev, st.st_ino] != who["file"] or st.st_uid != os.geteuid() or st.st_size < nbytes:
             return None
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -177,6 +204,3 @@ def _views(mapped: mmap.mmap, specs: list[tuple[int, torch.dtype]], offsets: lis
     whole = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the mapping alive
     return [whole[o:o + n * dtype.itemsize].view(dtype) for (n, dtype), o in zip(specs, offsets, strict=True)]
 
-
-def _global(group: dist.ProcessGroup | None, index: int) -> int:
-    return dist.get_global_rank(group, index) if group is not None else index
