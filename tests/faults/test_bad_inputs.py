@@ -42,12 +42,18 @@ def tmpfs(tmp_path):
 
 
 def test_a_full_disk_for_the_metrics_is_an_environment_error_not_a_node_fault(tmp_path, tmpfs, corpus_cache):
-    # only metrics.jsonl lives on the full file system, so the supervisor's events tell the story
+    # only metrics.jsonl lives on the full file system, so the supervisor's events tell the story;
+    # bound there as a file (a link would be refused: the run writes through none, docs/security.md)
     run_dir = tmp_path / "m"
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl").symlink_to(tmpfs / "metrics.jsonl")
-    _fill(tmpfs)
-    out = supervised(tmp_path, corpus_cache, "m", "train.steps=4", "checkpoint.interval_steps=0")
+    for path in (tmpfs / "metrics.jsonl", run_dir / "metrics.jsonl"):
+        path.touch()
+    subprocess.run(["mount", "--bind", str(tmpfs / "metrics.jsonl"), str(run_dir / "metrics.jsonl")], check=True)
+    try:
+        _fill(tmpfs)
+        out = supervised(tmp_path, corpus_cache, "m", "train.steps=4", "checkpoint.interval_steps=0")
+    finally:
+        subprocess.run(["umount", str(run_dir / "metrics.jsonl")], check=False)
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2, out.stderr[-3000:]
     assert re.fullmatch(r"mshpc: rank 0 exited with code 2: RunEnvironmentError: cannot write \S+/m/metrics\.jsonl: "
