@@ -148,7 +148,7 @@ class Relay:
 
     def hello(self, message: dict[str, Any], transport: asyncio.Transport) -> int | None:
         """A connection's first line: the rank it speaks for, or None (not a rank of this attempt)."""
-        if message["type"] != "hello" or not hmac.compare_digest(message["token"], self.link.token):
+        if message["type"] != "hello" or not same_token(message["token"], self.link.token):
             return None
         rank: int = message["rank"]
         self._ranks[rank] = transport
@@ -274,6 +274,12 @@ class RankConnection(asyncio.Protocol):
             self._deadline.cancel()
         if self.rank is not None and self.transport is not None:
             self.relay.rank_gone(self.rank, self.transport)
+
+
+def same_token(given: str, token: str) -> bool:
+    """Whether a peer's `given` token is the attempt's, in constant time (any text a peer sends:
+    compared as bytes, lone surrogates included)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
 
 
 def is_dump_request(raw: bytes) -> bool:

@@ -95,9 +95,10 @@ def test_a_hello_past_its_size_or_deadline_or_without_the_token_is_dropped(relay
     r, monitor = relay
     big = connect()
     assert flood(big, 8 * 2**20) < 4 * 2**20 and dropped(big)  # dropped past 64 KiB, not 256 MiB
-    wrong = connect()
-    wrong.sendall(hello(0, token="another attempt's"))
-    assert dropped(wrong)
+    for token in ("another attempt's", "tok-é", "\ud800"):
+        wrong = connect()
+        wrong.sendall(hello(0, token=token))
+        assert dropped(wrong)
     monkeypatch.setattr(node_relay, "HELLO_TIMEOUT_S", 0.2)
     silent = connect()
     assert dropped(silent)  # within the 10 s timeout: the deadline, not the test's patience
