@@ -74,7 +74,7 @@ def checked_model(m: ModelConfig, where: str) -> ModelConfig:
     """`m` if it passes the config's own checks (ranges, divisibility, the memory it would take),
     else the config's one-line reason as an InteropError naming the folder."""
     try:
-        from_dict({"model": {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}})
+        from_dict({"model": dataclasses.asdict(m)})
     except ConfigError as exc:
         raise InteropError(f"{where}: its config.json gives a model mshpc refuses: {exc}") from None
     return m
