@@ -125,9 +125,9 @@ class Relay:
                       self.link.port, exc)
             listener.close()
             return 1
-        self._up = up
         up.write(line(node_hello(self.link.token, self.node, os.getpid())))
         listener.listen(socket.SOMAXCONN)
+        self._up = up  # last: a relay that has its link also listens (a rank connecting now is queued)
         server = await asyncio.get_running_loop().create_unix_server(lambda: RankConnection(self), sock=listener)
         tasks = [asyncio.ensure_future(c) for c in (self._from_supervisor(reader), self._flush_beats())]
         await self._done.wait()
