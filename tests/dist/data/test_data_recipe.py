@@ -69,3 +69,14 @@ def test_a_conflicting_data_tokenizer_is_refused_in_one_line(recipe: dict[str, P
     assert done.returncode == 2
     [line] = [x for x in done.stderr.splitlines() if "error" in x.lower()]
     assert "data.tokenizer='byte' is not the tokenizer" in line and "leave data.tokenizer at auto" in line
+
+
+def test_a_model_smaller_than_the_tokenizer_is_refused_in_one_line(recipe: dict[str, Path]) -> None:
+    root = recipe["root"]
+    done = mshpc(*train_args(root, root / "cache", f"data.path={root / 'ds'}", "model.vocab_size=256",
+                             "train.steps=1", name="small-vocab"), "--nproc", "1")
+    assert done.returncode == 2
+    [line] = [x for x in done.stderr.splitlines() if "error" in x.lower()]
+    assert "model.vocab_size=256 is smaller than the tokenizer's vocabulary (300)" in line
+    assert "set model.vocab_size >= 300" in line
+    assert not list((root / "small-vocab").glob("checkpoints/*"))  # stopped before any step

@@ -10,7 +10,9 @@ import pytest
 
 from mshpc.config import DataConfig
 from mshpc.data.indexed import IndexedTokens, indexed_prefix
+from mshpc.data.sampler import SequenceSampler
 from mshpc.data.sources import open_sources, source_paths
+from mshpc.data.window_reader import WindowReader
 from mshpc.errors import DataError
 
 
@@ -67,3 +69,14 @@ def test_a_broken_index_is_one_line(megatron_pair, tmp_path: Path) -> None:
     bad.with_suffix(".idx").write_bytes(b"not an index at all")
     with pytest.raises(DataError, match=r"bad\.idx: not a Megatron MMIDIDX index"):
         IndexedTokens(bad, "train", 0.0, 0, 1000)
+
+
+def test_ids_past_the_models_vocabulary_stop_the_read_in_one_line(megatron_pair) -> None:
+    """A pair records no tokenizer, so the reader's check is what catches a model too small for it."""
+    prefix, docs, eod = megatron_pair
+    source = IndexedTokens(prefix, "train", 0.0, eod, 1000)
+    whole = SequenceSampler(source.n_tokens, source.n_tokens - 1, 1, 0, shuffle=False)  # one window: every id
+    np.testing.assert_array_equal(WindowReader(source, whole, 1, eod, 1000).windows(0, 0)[0], np.concatenate(docs))
+    with pytest.raises(DataError, match=rf"corpus_text_document: token id {eod} in window 0 is >= "
+                                        r"model\.vocab_size=512 \(was it made with another tokenizer\?"):
+        WindowReader(source, whole, 1, eod, 512).windows(0, 0)  # the row's largest id, eod 999, is named
