@@ -22,7 +22,7 @@ import torch.distributed as dist
 from support.rank_runner import RankError, run_ranks
 
 from mshpc.batch import Batch
-from mshpc.config import Config, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from mshpc.config import Config, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from mshpc.launch.runtime import Runtime
 from mshpc.mesh_shape import MeshShape
 from mshpc.model.gpt import GPT, loss_fn
@@ -39,16 +39,19 @@ from mshpc.train import build_model_step
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
 LLAMA_TINY = dataclasses.replace(TINY, mlp="swiglu", norm="rmsnorm", n_head=4, n_kv_head=2, tie_embeddings=False,
                                  parallel_block=False)
+# a mixture of experts with a shared expert: at dp 4 x ep 2 each rank holds 2 of 4 experts,
+# sharded over its expert-data-parallel pair, the rest over dp
+MOE_TINY = dataclasses.replace(LLAMA_TINY, moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=48, n_shared_experts=1))
 GPT_125M = ModelConfig(vocab_size=50304, seq_len=16, n_layer=12, n_head=12, d_model=768)
 # Llama 3's shape at a size 4 ranks can hold here: untied, grouped-query, SwiGLU, RMSNorm
 LLAMA = ModelConfig(vocab_size=32000, seq_len=16, n_layer=4, n_head=8, n_kv_head=2, d_model=512, mlp="swiglu",
                     ffn_dim=1408, norm="rmsnorm", parallel_block=False, tie_embeddings=False)
 STEPS = 4
-LONG_STEPS = 20  # the layouts trained through the train step
+LONG_STEPS = 20  # the dp 2 x tp 2 layout and the adamw case at dp 2
 BATCH = 4  # sequences per rank and step
 GRAD_CLIP = 0.05  # below these steps' norms: clipping acts, so the norm's rounding would show
 
-# name: (model, optimizer, parallel settings, micro-batches, recomputation)
+# name: (model, optimizer, parallel settings, micro-batches, recomputation); adamw runs LONG_STEPS
 CASES = {
     "adamw": (TINY, "adamw", {}, 1, "none"),
     "lamb": (TINY, "lamb", {}, 1, "none"),
@@ -132,7 +135,7 @@ def parity(rank: int, world: int) -> dict:
         runs = {}
         for stage in (2, 3):
             engine = engine_for(model_cfg, stage, None, optim, settings, recompute)
-            steps = [engine_step(engine, s, micros) for s in range(STEPS)]
+            steps = [engine_step(engine, s, micros) for s in range(LONG_STEPS if case == "adamw" else STEPS)]
             engine.wait_params()
             runs[stage] = (steps, weights(engine, engine.group))
         out[case] = {"same_steps": runs[2][0] == runs[3][0], "same_state": torch.equal(runs[2][1], runs[3][1]),
@@ -220,24 +223,27 @@ def memory(model_cfg: ModelConfig) -> dict:
 
 # ---------------------------------------------------------------- through the train step
 
-# name: (parallel settings, sequences per micro-batch, micro-batches per step, steps)
+# name: (model, parallel settings, sequences per micro-batch, micro-batches per step, steps)
 LAYOUTS = {
-    "dp2-tp2": ({"dp": 2, "tp": 2}, 4, 1, LONG_STEPS),
-    "dp2-pp2": ({"dp": 2, "pp": 2, "activation_checkpointing": "full"}, 2, 2, STEPS),
+    "dp2-tp2": (TINY, {"dp": 2, "tp": 2}, 4, 1, LONG_STEPS),
+    "dp2-pp2": (TINY, {"dp": 2, "pp": 2, "activation_checkpointing": "full"}, 2, 2, STEPS),
+    # the experts' units gathered and reduce-scattered over their edp pair, the all-to-alls inside
+    "moe-dp4-ep2": (MOE_TINY, {"dp": 4, "ep": 2, "activation_checkpointing": "full"}, 2, 2, STEPS),
 }
 
 
 def train_layout(name: str, stage: int) -> dict:
-    settings, micro_batch, micros, steps = LAYOUTS[name]
-    cfg = Config(model=TINY, parallel=ParallelConfig(bucket_mb=16 / 1024, zero_stage=stage, **settings),
+    model_cfg, settings, micro_batch, micros, steps = LAYOUTS[name]
+    cfg = Config(model=model_cfg, parallel=ParallelConfig(bucket_mb=16 / 1024, zero_stage=stage, **settings),
                  optim=OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=GRAD_CLIP),
                  train=TrainConfig(micro_batch=micro_batch, grad_accum=micros))
     p = cfg.parallel
-    mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))
+    mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep))
     engine, step_fn = build_model_step(cfg, mesh, Runtime(torch.device("cpu"), None, None))
-    out: dict = {"steps": []}
+    # buckets over a group other than dp: the experts' domain (edp)
+    out: dict = {"steps": [], "domain_buckets": sum(b.group is not engine.group for b in engine.buckets)}
     for step in range(steps):
-        loss, norm = step_fn(Batch(tokens_for(TINY, step, mesh.coords.dp, micro_batch * micros)))
+        loss, norm = step_fn(Batch(tokens_for(model_cfg, step, mesh.coords.dp, micro_batch * micros)))
         out["steps"].append([loss.item(), norm.item()])
     engine.wait_params()
     out["weights"] = weights(engine, None)
@@ -249,7 +255,8 @@ def layouts(rank: int, world: int) -> dict:
     for name in LAYOUTS:
         runs = {stage: train_layout(name, stage) for stage in (2, 3)}
         out[name] = {"same_steps": runs[2]["steps"] == runs[3]["steps"], "steps": len(runs[3]["steps"]),
-                     "same_state": torch.equal(runs[2]["weights"], runs[3]["weights"])}
+                     "same_state": torch.equal(runs[2]["weights"], runs[3]["weights"]),
+                     "domain_buckets": runs[3]["domain_buckets"]}
     return out
 
 
@@ -276,7 +283,8 @@ def dp4() -> list[dict]:
 def test_stage3_trains_bitwise_as_stage2_with_tensor_and_pipeline_parallelism(dp4, layout):
     for rank, result in enumerate(dp4):
         r = result["layouts"][layout]
-        assert r["steps"] == LAYOUTS[layout][3]
+        assert r["steps"] == LAYOUTS[layout][4]
+        assert (r["domain_buckets"] > 0) == (LAYOUTS[layout][0].moe is not None), f"rank {rank}: {r}"
         assert r["same_steps"] and r["same_state"], f"rank {rank}: {r}"
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from support.cli_runner import REPO
 
-from mshpc.config import ModelConfig, global_batch, load_config
+from mshpc.config import ModelConfig, MoEConfig, global_batch, load_config
 from mshpc.errors import ConfigError
 from mshpc.model.gpt import GPT
 from mshpc.parallel.zero3 import block_units, build_units
@@ -20,6 +20,10 @@ from mshpc.plan.report import plan
 from mshpc.plan.steptime import dp_bytes
 
 TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
+# dense layers 0, 1 and 3, a mixture of experts at 2 (a router, 4 experts, a gated shared expert)
+TINY_MOE = dataclasses.replace(TINY, mlp="swiglu", norm="rmsnorm", parallel_block=False, tie_embeddings=False,
+                               moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=24, n_shared_experts=1,
+                                             shared_expert_gate=True, first_dense_layers=1, every=2))
 
 
 def units_of(cfg: ModelConfig, per_unit: int = 1) -> tuple[GPT, list[list[str]], list]:
@@ -87,7 +91,7 @@ LLAMA_8B = load_config(REPO / "configs/llama3-8b.yaml")
 
 
 def test_units_in_the_plan_are_the_engines():
-    for cfg in (TINY, dataclasses.replace(TINY, tie_embeddings=False)):
+    for cfg in (TINY, dataclasses.replace(TINY, tie_embeddings=False), TINY_MOE):
         model, units, uses = units_of(cfg)
         sizes = {i: sum(model.get_parameter(n).numel() for n in unit) for i, unit in enumerate(units)}
         lay = Layout(2, 1, 1, 1, 1, 1, "none", zero_stage=3)
