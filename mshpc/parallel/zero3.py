@@ -7,7 +7,9 @@ master the optimizer steps; a unit's full parameters are all-gathered into its b
 just before its forward, with the next unit's gather issued while this one computes (prefetch one
 ahead in forward order, one behind in backward), and their storage is freed after use
 (`parallel.reshard_after_forward`) and after backward. The model's parameters stay views into
-those buffers; only the storage under them comes and goes, as FSDP2's does.
+those buffers; only the storage under them comes and goes, as FSDP2's does. Between uses a
+parameter keeps its shape but has no storage: code outside forward and backward reads weights
+through the engine's slices (`state_slices`, `weight_slices`), as checkpoints do.
 
 Where mshpc differs from FSDP2 (docs/parallelism.md): the embedding's and the lm head's units
 are freed between their uses like the blocks', so that at most two units are gathered at once,
