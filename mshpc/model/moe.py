@@ -8,11 +8,8 @@ token. Plain modules: expert parallelism replaces `dispatch` and `shards` from o
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
-from collections.abc import Iterator
 from typing import Protocol
 
 import torch
@@ -28,18 +25,14 @@ log = logging.getLogger(__name__)
 # What a layer records per step (MoE.stats, beside its E token counts): copies dropped by the
 # capacity, the auxiliary and z losses (before their coefficients), micro-batches seen.
 STATS = ("dropped", "aux_loss", "z_loss", "micro_batches")
-_RECOMPUTING = contextvars.ContextVar("moe_recomputing", default=False)
 
 
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    """Activation checkpointing's recomputation runs inside this: a forward run a second time
-    records no statistics (apply.py passes it as the checkpoint's recompute context)."""
-    token = _RECOMPUTING.set(True)
-    try:
-        yield
-    finally:
-        _RECOMPUTING.reset(token)
+def recomputing() -> bool:
+    """Whether this forward is activation checkpointing's recomputation: non-reentrant
+    checkpointing reruns a block inside backward's graph task, where mshpc runs no other forward
+    (torch.utils.checkpoint asks torch the same question). A marker that needs no checkpoint
+    context_fn, which torch.compile accepts only when it makes TorchDispatchModes."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @functools.cache
@@ -249,18 +242,22 @@ class MoE(nn.Module):
         moe = self.moe
         aux = sum((aux_loss(r.scores, routed, total, moe) for r in routings), torch.zeros((), device=out.device))
         z = sum((z_loss(r.logits, total) for r in routings), torch.zeros((), device=out.device))
-        if not _RECOMPUTING.get():
-            dropped = sum((r.dropped for r in routings), torch.zeros((), dtype=torch.long, device=out.device))
-            self._record(torch.stack([r.routed for r in routings]).sum(0), dropped, aux, z)
+        dropped = sum((r.dropped for r in routings), torch.zeros((), dtype=torch.long, device=out.device))
+        self._record(torch.stack([r.routed for r in routings]).sum(0), dropped, aux, z)
         loss = moe.aux_loss_coef * aux + moe.z_loss_coef * z
         if moe.aux_loss_coef == 0 and moe.z_loss_coef == 0:
             return out
         return _AuxLossGrad.apply(out, loss, self.loss_scale)
 
+    # between compiled graphs: a side effect that a recomputation must skip, decided when it runs
+    @torch.compiler.disable
     @torch.no_grad()
     def _record(self, routed: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
         """Add this micro-batch to the step's statistics, each a share that sums over the world to
-        the step's total (the micro-batch count is split over its token shards)."""
+        the step's total (the micro-batch count is split over its token shards); a recomputed
+        forward adds nothing."""
+        if recomputing():
+            return
         e = self.moe.n_experts
         self.stats[:e] += routed
         one = torch.ones((), dtype=torch.float64, device=z.device)

@@ -11,7 +11,6 @@ full model's names, some parts removed) goes through the same functions.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from mshpc.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from mshpc.kernels.dispatch import select_kernels
 from mshpc.model.gpt import loss_fn
-from mshpc.model.moe import MoE, recomputing
+from mshpc.model.moe import MoE
 from mshpc.parallel.compile_blocks import apply_compile
 from mshpc.parallel.expert_parallel import TpTokenShards, apply_ep
 from mshpc.parallel.mesh import Mesh
@@ -63,11 +62,15 @@ def parallelize(model: nn.Module, mesh: Mesh, *, model_cfg: ModelConfig, paralle
         moe.loss_scale = 1.0 / train.grad_accum  # the router's losses weigh as the model's per micro-batch
         moe.experts.resolve_impl(device.type)
     experts = apply_ep(model, mesh, parallel, train.micro_batch)
+    # tp's collectives, and a mixture of experts' host syncs (dispatch sizes), run between graphs
+    one_graph = mesh.shape.tp == 1 and model_cfg.moe is None
+    if train.compile and not one_graph:
+        # torch.compile runs a checkpoint whose body breaks the graph wholly eagerly (dynamo traces
+        # a checkpoint as one region or not at all): here the checkpoint wraps the compiled block
+        apply_compile(_blocks(model), model_cfg.fused_kernels, device, fullgraph=False)
     apply_activation_checkpointing(model, parallel.activation_checkpointing)
-    if train.compile:
-        # tp's collectives, and a mixture of experts' host syncs (dispatch sizes), run between graphs
-        apply_compile(_blocks(model), model_cfg.fused_kernels, device,
-                      fullgraph=mesh.shape.tp == 1 and model_cfg.moe is None)
+    if train.compile and one_graph:
+        apply_compile(_blocks(model), model_cfg.fused_kernels, device, fullgraph=True)
     engine = apply_zero(model, mesh, parallel=parallel, optim=optim, fused_kernels=model_cfg.fused_kernels,
                         compiled=train.compile, tied=tied, domains=() if experts is None else (experts,))
     return Parallelized(engine, loss)
@@ -185,18 +188,11 @@ def tp_splits(model: nn.Module) -> dict[str, TpSplit]:
 # ---------------------------------------------------------------- activation checkpointing
 
 
-def _recompute_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    # the recomputed forward of a mixture of experts records no statistics a second time
-    return contextlib.nullcontext(), recomputing()
-
-
-def _recomputed(fn: Callable[..., torch.Tensor], moe: bool = False) -> Callable[..., torch.Tensor]:
-    # Non-reentrant: it restores the RNG state for dropout and works with the ZeRO hooks. Only a
-    # block holding an MoE gets the recompute context: under torch.compile a context_fn must
-    # make TorchDispatchModes, which a dense block then need not.
-    if not moe:
-        return functools.partial(checkpoint, fn, use_reentrant=False)
-    return functools.partial(checkpoint, fn, use_reentrant=False, context_fn=_recompute_context)
+def _recomputed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    # Non-reentrant: it restores the RNG state for dropout and works with the ZeRO hooks. No
+    # context_fn (torch.compile takes only one that makes TorchDispatchModes): a mixture of
+    # experts tells its recomputation from its forward itself (model/moe.py `recomputing`).
+    return functools.partial(checkpoint, fn, use_reentrant=False)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
@@ -206,7 +202,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     uses (`parallel.activation_checkpointing`)."""
     for block in _blocks(model):
         if mode == "full":
-            block.forward = _recomputed(block.forward, moe=isinstance(getattr(block, "mlp", None), MoE))
+            block.forward = _recomputed(block.forward)
         elif mode == "selective":
             block.attn.attend = _recomputed(block.attn.attend)
 

@@ -1,6 +1,8 @@
 """`train.compile`: each transformer block compiled with torch.compile, torchtitan's per-block
 way: after tensor parallelism and activation checkpointing (so the graph holds the block as it
-will run, recomputation included) and before ZeRO, whose hooks then wait for a block's weights
+will run, recomputation included; a block that is not one graph, under tp or holding a mixture
+of experts, is compiled before its checkpoint, which dynamo would otherwise run wholly eagerly)
+and before ZeRO, whose hooks then wait for a block's weights
 outside its graph (`zero_build`: one forward pre-hook per compiled block, not per sub-module,
 since a hook inside the graph would be traced and its wait on a collective would break it).
 
