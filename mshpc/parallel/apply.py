@@ -54,8 +54,9 @@ class Parallelized:
 
 def parallelize(model: nn.Module, mesh: Mesh, *, model_cfg: ModelConfig, parallel: ParallelConfig,
                 train: TrainConfig, optim: OptimConfig, tied: frozenset[str] = frozenset()) -> Parallelized:
-    """Apply TP/SP, activation checkpointing, compilation and ZeRO to `model`, in that order;
-    `tied`: see apply_zero. Collective over the tp and dp groups."""
+    """Apply TP/SP, activation checkpointing, compilation and ZeRO to `model`, in that order
+    (compilation before checkpointing for a block that is not one graph); `tied`: see apply_zero.
+    Collective over the tp and dp groups."""
     device = next(model.parameters()).device
     loss = apply_tp(model, mesh.tp, parallel) if mesh.shape.tp > 1 else loss_fn
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
