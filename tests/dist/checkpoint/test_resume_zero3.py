@@ -1,7 +1,10 @@
 """A ZeRO stage-3 checkpoint is a stage-2 checkpoint: through the real CLI, a stage-3 run killed
 after a save resumes at stage 2, is killed again, resumes at stage 3 and ends bitwise where an
-undisturbed stage-3 run ends (stage 3 trains bitwise as stage 2: tests/dist/parallel/test_zero3.py).
+undisturbed stage-3 run ends (stage 3 trains bitwise as stage 2: tests/dist/parallel/test_zero3.py);
+and a dp 2 checkpoint of stage 3 resumes at dp 4, at stage 3.
 """
+
+import shutil
 
 import numpy as np
 import pytest
@@ -47,3 +50,18 @@ def test_stage3_resumes_at_stage2_and_back_bitwise(straight, tmp_path, corpus_ca
     assert want.keys() == got.keys() and len(want) > 0
     for name in want:
         assert np.array_equal(want[name].numpy(), got[name].numpy()), name
+
+
+def test_stage3_checkpoint_resumes_at_dp4(straight, tmp_path, corpus_cache):
+    # the same global batch (4 x 4 sequences): equal within fp tolerance, as a stage-2 dp change
+    # (tests/dist/checkpoint/test_resume.py); each rank cuts its shards of the whole tensors anew
+    step = "step-0000008"
+    root = tmp_path / "dp4" / "checkpoints"
+    root.mkdir(parents=True)
+    shutil.copytree(straight / "straight" / "checkpoints" / step, root / step)
+    (root / "latest").symlink_to(step)
+    out = mshpc(*train_args(tmp_path, corpus_cache, *SAVES, STAGE3, "train.micro_batch=4", name="dp4"),
+                "--nproc", "4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from step 8" in out.stderr
+    assert losses(tmp_path, "dp4") == pytest.approx(losses(straight, "straight")[8:], rel=1e-5)
