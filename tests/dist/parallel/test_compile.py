@@ -1,7 +1,8 @@
 """train.compile on 2 gloo ranks: each block compiled by torch.compile (inductor, through the
 fused CPU custom operators) trains and validates like the eager engine, through the real train
 step and evaluator (train.build_model_step, evaluate.build_evaluator): at dp=2 (one graph that
-both blocks share, fullgraph), at tp=2 (the collectives run eagerly between graphs), at pp=2
+both blocks share, fullgraph), at tp=2 (the collectives run eagerly between graphs; with full
+recomputation too, the checkpoint then wrapping the compiled block), at pp=2
 with full recomputation (checkpointed blocks compiled, the pipeline's stages fed by its sends), at
 ZeRO stage 3 with two micro-batches (each block's gathers and frees hook it from outside its
 graph, which stays fullgraph; another micro-batch shape, so that it compiles again), and a
@@ -61,8 +62,11 @@ LAYOUTS = {
     "tp2": (ParallelConfig(tp=2, dp=1, bucket_mb=8 / 1024), 4, 1),
     "pp2-full-recompute": (ParallelConfig(pp=2, dp=1, activation_checkpointing="full"), 2, 2),
     "dp2-zero3": (ParallelConfig(dp=2, bucket_mb=8 / 1024, zero_stage=3), 1, 2),
+    "tp2-full-recompute": (ParallelConfig(tp=2, dp=1, activation_checkpointing="full", bucket_mb=8 / 1024), 4, 1),
     "moe-ep2-full-recompute": (ParallelConfig(dp=2, ep=2, activation_checkpointing="full", bucket_mb=8 / 1024), 2, 1),
 }
+# tp2's block code again, checkpointed: dynamo would reuse tp2's graphs unseen; forget them first
+FRESH = ("tp2-full-recompute",)
 VALIDATED = ("dp2", "pp2-full-recompute")  # pp=1 scores the whole model, pp=2 through the stages
 
 
@@ -84,6 +88,8 @@ def graphs() -> int:
 def train(layout: str, data: str, compile: bool) -> dict:
     """STEPS steps through the real train step, validated after each of EVAL_AFTER."""
     cfg = config(layout, data, compile)
+    if compile and layout in FRESH:
+        torch._dynamo.reset()
     mesh = build_mesh(MeshShape(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp, ep=cfg.parallel.ep))
     engine, step_fn = build_model_step(cfg, mesh, Runtime(torch.device("cpu"), None, None))
     dataset = TokenDataset.open(Path(data))
