@@ -357,6 +357,27 @@ class SupervisorConfig:
 
 
 @dataclass(frozen=True)
+class RecoveryConfig:
+    """Recovery in place (mshpc/snapshot/, mshpc/launch/in_place.py): every step's state in host
+    memory and on a buddy rank of another node; a lost or hung rank replaced inside the running
+    job, the others keeping their processes; suspicious steps replayed."""
+
+    in_place: bool = False  # recover a lost or hung rank in place; off: every failure restarts from disk
+    snapshot_interval_steps: int = _min(1, 1)  # snapshot every N steps (when in_place or replay is on)
+    replay: bool = False  # replay a step whose loss or grad norm is NaN/Inf or a spike
+    spike_factor: float = _min(1.0, 10.0)  # a spike: past this many times the running median
+    spike_window_steps: int = _min(3, 20)  # the running median's window
+    persistent_after: int = _min(1, 2)  # replays a rank differs in before its node is evicted
+    # the local launcher keeps one process per job with torch imported, waiting to replace a
+    # lost rank (a cold start imports torch first: seconds); off: replacements start cold
+    standby: bool = True
+
+    @property
+    def snapshots(self) -> bool:
+        return self.in_place or self.replay
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole tree, a section per part; each figure the sections give together sits after the
     last section it reads."""
@@ -384,6 +405,7 @@ class Config:
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
 
 
 def global_batch(train: TrainConfig, parallel: ParallelConfig) -> int:

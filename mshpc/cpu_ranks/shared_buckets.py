@@ -68,9 +68,9 @@ def map_buffers(specs: list[tuple[int, torch.dtype]], group: dist.ProcessGroup |
     cannot see the others' (ranks on other hosts): then the buckets stay in private memory."""
     me, peers = peers_of(group)
     offsets, nbytes = _layout(specs)
-    fd = _create(nbytes)
+    fd = create_unnamed(nbytes)
     try:
-        maps = _map_all(comm.all_gather_json(_identity(fd), group), me, fd, nbytes, group)
+        maps = _map_all(comm.all_gather_json(identity(fd), group), me, fd, nbytes, group)
         comm.barrier(group)  # every member has opened every descriptor it needs: this one may close
     finally:
         if fd is not None:
@@ -87,7 +87,7 @@ def _map_all(everyone: list[dict | None], me: int, fd: int | None, nbytes: int,
     if fd is None or len(ids) < len(everyone):
         log.info("dp buckets in private memory: a rank could not create its buffer in %s", SHM_DIR)
         return None
-    maps = [_map(fd if j == me else None, who, ids[me], nbytes) for j, who in enumerate(ids)]
+    maps = [map_peer(fd if j == me else None, who, ids[me], nbytes) for j, who in enumerate(ids)]
     if not all(comm.all_gather_json(all(m is not None for m in maps), group)):
         log.info("dp buckets in private memory: the dp ranks do not share one host's %s", SHM_DIR)
         return None
@@ -149,10 +149,11 @@ def _layout(specs: list[tuple[int, torch.dtype]]) -> tuple[list[int], int]:
     return offsets, max(end, _ALIGN)
 
 
-def _create(nbytes: int) -> int | None:
-    """This rank's buffer: a file of SHM_DIR without a name (O_TMPFILE), its pages reserved now:
-    tmpfs hands out pages on first touch, and one it has no room for then kills the process
-    (SIGBUS) instead of failing here. None when SHM_DIR cannot hold it."""
+def create_unnamed(nbytes: int) -> int | None:
+    """This rank's buffer (or a snapshot slot: mshpc/snapshot/exchange.py): a file of SHM_DIR
+    without a name (O_TMPFILE), its pages reserved now: tmpfs hands out pages on first touch, and
+    one it has no room for then kills the process (SIGBUS) instead of failing here. None when
+    SHM_DIR cannot hold it."""
     try:
         fd = os.open(SHM_DIR, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     except OSError:
@@ -173,7 +174,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _identity(fd: int | None) -> dict | None:
+def identity(fd: int | None) -> dict | None:
     """What a peer needs to open this rank's buffer and know it for what it is."""
     if fd is None:
         return None
@@ -182,7 +183,7 @@ def _identity(fd: int | None) -> dict | None:
             "file": [st.st_dev, st.st_ino]}
 
 
-def _map(own: int | None, who: dict, me: dict, nbytes: int) -> mmap.mmap | None:
+def map_peer(own: int | None, who: dict, me: dict, nbytes: int) -> mmap.mmap | None:
     """Member `who`'s buffer mapped here (`own`: this rank's own descriptor), or None when it is
     not on this host and folder, or what opens is not its file or not this user's."""
     if own is None and (who["boot"], who["folder"]) != (me["boot"], me["folder"]):
