@@ -257,7 +257,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             run_dir = run_path(cfg.run)
             return supervise_local(["train", args.config, *_set_args(args)], nproc, supervisor=cfg.supervisor,
                                    spare_nodes=cfg.train.spare_nodes, run_dir=run_dir,
-                                   checkpoints=checkpoint_root(cfg.checkpoint, run_dir))
+                                   checkpoints=checkpoint_root(cfg.checkpoint, run_dir), recovery=cfg.recovery,
+                                   parallel=cfg.parallel)
     elif args.nproc is not None and args.nproc != env.world_size:
         raise LaunchError(f"--nproc={args.nproc} but the {env.launcher} launcher started {env.world_size} ranks")
     from mshpc.train import train

@@ -911,6 +911,9 @@ def validate(cfg: Config) -> Config:
     _check_diagnose(cfg.diagnose)
     _check_run(cfg.run)
     _check_loggers(cfg.run)
+    if cfg.recovery.replay and cfg.recovery.snapshot_interval_steps != 1:
+        raise ConfigError(f"recovery.replay=true replays a step from the snapshot taken just before it: it needs "
+                          f"recovery.snapshot_interval_steps=1 (got {cfg.recovery.snapshot_interval_steps})")
     return cfg
 
 

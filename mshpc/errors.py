@@ -69,6 +69,18 @@ def shown(value: object, limit: int = 100) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class SilentDataCorruption(RuntimeError):
+    """A rank's results differed from its own replays of the same steps again and again
+    (mshpc/snapshot/replay.py): its device corrupts data silently. No user error: the supervisor
+    classifies it by this name (a node fault) and evicts the rank's node at once."""
+
+
+class SnapshotsUnusable(RuntimeError):
+    """No step of which every rank's in-memory snapshot is whole (mshpc/snapshot/restore.py): a
+    recovery in place cannot go on, and the supervisor restarts from the disk checkpoint. No
+    user error: a restart from disk is the cure."""
+
+
 def print_error(exc: MshpcError) -> None:
     """`exc` as the CLI's one line on stderr, in a single write: print() writes the text and its
     newline separately, and under mpiexec two ranks' lines then run together into one."""

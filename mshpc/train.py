@@ -41,11 +41,13 @@ from mshpc.diagnose.mfu import mfu
 from mshpc.diagnose.timers import phase
 from mshpc.errors import ConfigError, MshpcError
 from mshpc.evaluate import Evaluator, build_evaluator
+from mshpc.events import append_event
 from mshpc.fault_hooks import NO_FAULTS, FaultHooks
 from mshpc.fault_setup import build_fault_hooks
 from mshpc.interop.hf_import import initial_model
 from mshpc.launch.env import LaunchEnv, SupervisorLink
 from mshpc.launch.heartbeat import Heartbeat, start_heartbeat
+from mshpc.launch.rejoin import abort_communicators, rejoin
 from mshpc.launch.rendezvous import DistInfo, init_distributed, shutdown_distributed
 from mshpc.launch.requeue import PreemptionWatcher, watch_signals
 from mshpc.launch.run_claim import claim_run_dir
@@ -68,6 +70,9 @@ from mshpc.plan.report import fit_warning, memory_refusal
 from mshpc.progress import Progress
 from mshpc.run_dir import create_run_dir, run_path
 from mshpc.save_schedule import SaveSchedule
+from mshpc.snapshot.keeper import SnapshotKeeper, StepGuard
+from mshpc.snapshot.restore import Restored
+from mshpc.snapshot.state import TrainState
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +258,9 @@ class Parts:
     diag: Collector
     progress: Progress
     load: ExpertLoad | None  # a mixture of experts' load statistics and router biases (None: dense)
+    state: TrainState  # what a snapshot holds of the engine and the schedule
+    keeper: SnapshotKeeper | None = None  # this rank's in-memory snapshots (recovery.snapshots)
+    guard: StepGuard | None = None  # the replay of suspicious steps (recovery.replay)
 
     def close(self) -> None:
         self.diag.close()
@@ -263,9 +271,11 @@ class Parts:
             self.loggers.close()
 
 
-def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks) -> Parts:
-    """The mesh, the model and its step, the schedule, the checkpointer (resumed), the data, the
-    evaluator, the loggers and the timers' collector, in that order. Collective over the world."""
+def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks, keeper: SnapshotKeeper | None = None,
+                restore: bool = False) -> Parts:
+    """The mesh, the model and its step, the schedule, the checkpointer (resumed, or with `restore`
+    the in-memory snapshots of a recovery in place), the data, the evaluator, the loggers and the
+    timers' collector, in that order. Collective over the world."""
     p = cfg.parallel
     mesh = build_mesh(MeshShape(pp=p.pp, dp=p.dp, tp=p.tp, ep=p.ep))  # every group, once
     engine, step_fn = build_model_step(cfg, mesh, rt)
@@ -278,8 +288,13 @@ def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks) ->
     ckpt = TrainCheckpointer(checkpoint_root(cfg.checkpoint, run_dir), info.rank, engine, scheduler, run_dir=run_dir,
                              config_hash=config_hash(cfg), checkpoint=cfg.checkpoint, parallel=cfg.parallel,
                              train=cfg.train, data=cfg.data, model_cfg=cfg.model, before_commit=faults.before_commit)
-    start_step = ckpt.resume()
+    start_step = 0 if restore else ckpt.resume()
+    state = TrainState(engine, scheduler)
+    if keeper is not None:
+        start_step = begin_snapshots(keeper, state, mesh, start_step, restore, info.rank == 0, cfg)
     faults.install_slowdown(engine.model, start_step, cfg.train.grad_accum)
+    guard = (StepGuard(cfg.recovery, keeper, state, engine.model, rt.device, run_dir if info.rank == 0 else None)
+             if keeper is not None and cfg.recovery.replay else None)  # after the faults: their hooks first
     loader = build_data(cfg, info, mesh, rt, start_step)
     evaluator = build_eval(cfg, info, mesh, rt, engine)
     log_dir, loggers = open_loggers(cfg, info, start_step)
@@ -287,7 +302,7 @@ def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks) ->
                            diagnose=cfg.diagnose, model_cfg=cfg.model, parallel=cfg.parallel)
     progress = Progress(cfg.train.steps, cfg.run.progress if info.rank == 0 else "none")
     return Parts(engine, step_fn, scheduler, ckpt, start_step, loader, evaluator, loggers, log_dir, diag, progress,
-                 load)
+                 load, state, keeper, guard)
 
 
 @dataclass
@@ -315,9 +330,12 @@ def loop_phase(beat: Heartbeat, name: str, step: int) -> Iterator[None]:
 
 
 def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
-                 faults: FaultHooks = NO_FAULTS, beat: Heartbeat | None = None) -> list[float]:
-    """The loop itself; returns the global mean loss of every step this process trained."""
-    parts = build_parts(cfg, info, rt, faults)
+                 faults: FaultHooks = NO_FAULTS, beat: Heartbeat | None = None,
+                 keeper: SnapshotKeeper | None = None, restore: bool = False) -> list[float]:
+    """The loop itself; returns the global mean loss of every step this process trained. With a
+    snapshot keeper (recovery.*) it snapshots every step, and `restore` starts from the snapshots
+    of a recovery in place instead of the disk checkpoint."""
+    parts = build_parts(cfg, info, rt, faults, keeper, restore)
     beat = beat or open_heartbeat(cfg, None, info)
     losses: list[float] = []
     try:
@@ -337,9 +355,13 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
             report_step(cfg, parts, rt, info.world_size, done, figures)
             stop_if_asked(watcher, parts.ckpt, done, info.rank)
         parts.ckpt.close()
+        if parts.keeper is not None:
+            parts.keeper.close()
         parts.diag.close(final_step=cfg.train.steps)  # the last straggler look sees every rank's last step
     except BaseException:
         settle_save_in_flight(parts.ckpt, beat)
+        if parts.keeper is not None:
+            parts.keeper.end()  # its slots are what a recovery in place restores from
         raise
     finally:
         parts.close()
@@ -356,13 +378,23 @@ def optimizer_step(cfg: Config, parts: Parts, batch: Batch, step: int, beat: Hea
     # the first step compiles (train.compile): a long phase for hang detection, like a save
     beat.phase(COMPILE if cfg.train.compile and first else STEP, step)
     faults.at_step(step)
-    loss, grad_norm = parts.step_fn(batch)
-    experts = moe_row(parts.load, cfg.model)  # before the next step: the router biases move
+    experts: dict[str, Any] = {}
+
+    def once() -> tuple[torch.Tensor, torch.Tensor]:
+        out = parts.step_fn(batch)
+        experts.update(moe_row(parts.load, cfg.model))  # before the next step: the router biases move
+        return out
+
+    loss, grad_norm = once()
+    if parts.guard is not None:  # a suspicious step is replayed (once() again); its replay's result may be kept
+        loss, grad_norm = parts.guard.check(step, loss, grad_norm, once)
     figures = StepFigures(loss.item(), grad_norm, float(parts.scheduler.get_last_lr()[0]),
                           parts.ckpt.pop_stage1_wait(), compile_report(cfg.train, first, rank), experts)
     parts.scheduler.step()
     # the loss is all-reduced: every rank raises alike, before a NaN can be saved
     check_loss(figures.loss, step, cfg.supervisor.loss_limit)
+    if parts.keeper is not None:  # after the loss check: a diverged state is never a snapshot
+        parts.keeper.after_step(step + 1, parts.state)
     return figures
 
 
@@ -409,6 +441,24 @@ def stop_if_asked(watcher: PreemptionWatcher, ckpt: TrainCheckpointer, done: int
     watcher.stop(stop, rank)
 
 
+def begin_snapshots(keeper: SnapshotKeeper, state: TrainState, mesh: Mesh, start_step: int, restore: bool,
+                    first: bool, cfg: Config) -> int:
+    """This generation's snapshots (restored from the last one's when `restore`); returns the
+    step to train from. Collective over the world. Rank 0 (`first`) tells what was restored."""
+    began = time.perf_counter()
+    start_step, restored = keeper.begin(state, mesh.shape, start_step, restore)
+    if first and restored is not None:
+        report_restored(restored, time.perf_counter() - began, cfg)
+    return start_step
+
+
+def report_restored(restored: Restored, seconds: float, cfg: Config) -> None:
+    append_event(run_path(cfg.run), "snapshot_restore", step=restored.step, seconds=round(seconds, 3),
+                 problems=list(restored.problems))
+    log.info("recovered in place: every rank restored its snapshot of step %d in %.2f s%s", restored.step, seconds,
+             f" ({'; '.join(restored.problems)})" if restored.problems else "")
+
+
 def settle_save_in_flight(ckpt: TrainCheckpointer, beat: Heartbeat) -> None:
     """Before a failing rank leaves: its background save runs collectives, and exiting under
     them crashed the rank (SIGSEGV), which the supervisor reported in place of the error. The
@@ -426,23 +476,41 @@ def open_heartbeat(cfg: Config, link: SupervisorLink | None, info: DistInfo) -> 
 
 
 def train(cfg: Config, env: LaunchEnv) -> list[float]:
-    """Entry point for one rank: bootstrap, fit the config to the world, train, shut down."""
+    """Entry point for one rank: bootstrap, fit the config to the world, train, shut down. Under
+    recovery.in_place a generation that fails because a peer was lost is followed, in this
+    process, by the next one the supervisor starts (mshpc/launch/rejoin.py)."""
     run_dir = run_path(cfg.run)
     checkpoints = checkpoint_root(cfg.checkpoint, run_dir)
     # first: a signal during start-up must not kill the rank
     watcher = watch_signals(env, slurm=cfg.slurm, run_dir=run_dir, checkpoints=checkpoints)
     try:
         info = init_distributed(env)
-        cfg = fit_to_world(cfg, info)
-        faults = build_fault_hooks(env, info, run_dir, checkpoints)
-        with open_heartbeat(cfg, env.supervisor, info) as beat:
-            rt = build_runtime(cfg.train, info)
-            refuse_if_absurd(cfg, rt, info)  # before the data, the model or the run directory
+        fitted = fit_to_world(cfg, info)
+        with open_heartbeat(fitted, env.supervisor, info) as beat:
+            beat.on_abort = abort_communicators
+            rt = build_runtime(fitted.train, info)
+            refuse_if_absurd(fitted, rt, info)  # before the data, the model or the run directory
             select_cpu_tunings(rt.device)  # before the model: its optimizer and collectives follow it
-            with claim_run_dir(run_dir, info, rt):  # before anything is written there
-                if info.rank == 0:
-                    warn_if_unfit(cfg, rt)
-                return run_training(cfg, info, rt, watcher, faults, beat)
+            keeper = SnapshotKeeper(cfg.recovery, info.node, rt.device) if cfg.recovery.snapshots else None
+            while True:
+                try:
+                    return train_generation(fitted, env, info, rt, watcher, beat, keeper)
+                except BaseException as exc:
+                    env = rejoin(exc, env, beat, cfg.recovery.in_place, cfg.supervisor.setup_timeout_s)
+                info = init_distributed(env)  # the new generation's groups
+                fitted = fit_to_world(cfg, info)
     finally:
         watcher.close()
         shutdown_distributed()
+
+
+def train_generation(cfg: Config, env: LaunchEnv, info: DistInfo, rt: Runtime, watcher: PreemptionWatcher,
+                     beat: Heartbeat, keeper: SnapshotKeeper | None) -> list[float]:
+    """One generation of this rank's training: the first, or one that recovers in place."""
+    run_dir = run_path(cfg.run)
+    faults = build_fault_hooks(env, info, run_dir, checkpoint_root(cfg.checkpoint, run_dir))
+    generation = env.supervisor.generation if env.supervisor is not None else 0
+    with claim_run_dir(run_dir, info, rt):  # before anything is written there
+        if info.rank == 0 and generation == 0:
+            warn_if_unfit(cfg, rt)
+        return run_training(cfg, info, rt, watcher, faults, beat, keeper, restore=generation > 0)

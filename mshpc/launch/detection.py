@@ -54,8 +54,12 @@ def _ended_at(s: RankState) -> float | None:
 
 
 def describe(s: RankState) -> tuple[str, int]:
-    """How rank `s` ended, in one line, and the exit code it stands for."""
+    """How rank `s` ended (or, waiting to recover in place, failed), in one line, and the exit
+    code it stands for."""
     code = s.exit_code
+    if s.lost is not None and not s.ended:
+        why = f"{s.lost['error']}: {s.lost['message']}" if s.lost["message"] else s.lost["error"]
+        return f"rank {s.rank} failed: {why}", 1
     if code is not None and code < 0:
         return f"rank {s.rank} was killed by {signal.Signals(-code).name}", 128 - code
     if s.outcome is not None and s.outcome.get("type") == "failed":
@@ -69,16 +73,19 @@ def describe(s: RankState) -> tuple[str, int]:
 
 def is_echo(s: RankState) -> bool:
     """Whether rank `s` failed only because another rank did, in its own words."""
-    text = (s.outcome or {}).get("message") or s.exit_detail or ""
+    text = (s.outcome or s.lost or {}).get("message") or s.exit_detail or ""
     return bool(_ECHO.search(str(text)))
 
 
 def first_failure(states: dict[int, RankState]) -> tuple[RankState, float] | None:
     """The failure to name and when it happened: the earliest that is not an echo, else the
-    earliest echo."""
+    earliest echo. A rank that ended comes before one that raised and waits to recover in place
+    ("lost"): a lost peer makes every rank raise, often before its end has been seen."""
     failed = [(s, t) for s in states.values()  # most ranks have not ended: three reads rule them out
               if (s.outcome is not None or s.closed_at is not None or s.exited_at is not None)
               and (t := _ended_at(s)) is not None]
+    if not failed:
+        failed = [(s, float(s.lost["t"])) for s in states.values() if s.lost is not None]
     causes = [(s, t) for s, t in failed if not is_echo(s)]
     return min(causes or failed, key=lambda st: st[1], default=None)
 
@@ -91,7 +98,7 @@ def _failure(states: dict[int, RankState], now_wall: float) -> Detection | None:
     if is_echo(s) and now_wall - at < ECHO_WAIT_S and not all(r.ended for r in states.values()):
         return None  # the rank it echoes is still to tell its own error
     detail, code = describe(s)
-    outcome = s.outcome or {}
+    outcome = s.outcome or s.lost or {}
     user_error = outcome.get("user_error") or (not outcome and s.exit_code == USER_ERROR_EXIT)
     kind: Kind = "loss" if outcome.get("loss_diverged") else "user_error" if user_error else "crash"
     # The first sign is the rank's end itself; the settle wait is part of detecting it.
@@ -116,8 +123,8 @@ def _hang(states: dict[int, RankState], cfg: SupervisorConfig, now: float, start
     every poll, at 12,288 ranks too), then one timeout per phase."""
     earliest: dict[str, tuple[float, RankState]] = {}  # phase -> (entered at, the rank), supervisor's clock
     for s in states.values():
-        if s.outcome is not None or s.closed_at is not None or s.exited_at is not None:
-            continue  # ended (RankState.ended)
+        if s.outcome is not None or s.closed_at is not None or s.exited_at is not None or s.lost is not None:
+            continue  # ended (RankState.ended), or waiting for the supervisor's word (lost)
         at = started_at if s.last_beat_at is None else s.last_beat_at - s.phase_s  # now - RankState.stuck_s
         first = earliest.get(s.phase)
         if first is None or at < first[0]:

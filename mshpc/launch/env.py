@@ -43,6 +43,8 @@ class SupervisorLink:
     # whether this rank starts its node's heartbeat relay (launch/node_relay.py): MSHPC_NODE_RELAY_START
     # where the launcher says (local slots), else the node's local rank 0
     starts_relay: bool = False
+    generation: int = 0  # MSHPC_GENERATION: recoveries in place within this attempt so far
+    replacement: bool = False  # MSHPC_REPLACEMENT: this rank replaces a lost one in place
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class LaunchEnv:
     slurm: SlurmEnv | None
     test_faults: str | None  # MSHPC_TEST_FAULTS: fault injection, honoured only by tests
     supervisor: SupervisorLink | None = None  # MSHPC_SUPERVISOR=host:port, MSHPC_SUPERVISOR_TOKEN, MSHPC_ATTEMPT
+    store_rank: int = 0  # MSHPC_STORE_RANK: the rank that serves the rendezvous store (a generation's may not be 0)
 
 
 @overload
@@ -146,6 +149,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         launcher=launcher, rank=rank, world_size=world, local_rank=local,
         local_world_size=local_world, node=node, master_addr=addr, master_port=port,
         slurm=slurm, test_faults=env.get("MSHPC_TEST_FAULTS") or None, supervisor=supervisor_link(env, local),
+        store_rank=_int(env, "MSHPC_STORE_RANK", 0),
     )
 
 
@@ -161,7 +165,9 @@ def supervisor_link(environ: Mapping[str, str] | None = None, local_rank: int = 
     starts = env.get("MSHPC_NODE_RELAY_START")
     return SupervisorLink(host=host, port=int(port), token=env.get("MSHPC_SUPERVISOR_TOKEN", ""),
                           attempt=_int(env, "MSHPC_ATTEMPT", 0),
-                          starts_relay=starts == "1" if starts else local_rank == 0)
+                          starts_relay=starts == "1" if starts else local_rank == 0,
+                          generation=_int(env, "MSHPC_GENERATION", 0),
+                          replacement=env.get("MSHPC_REPLACEMENT") == "1")
 
 
 def _tasks_on_node(env: Mapping[str, str]) -> int:

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 from mshpc.config import ParallelConfig, SupervisorConfig
 from mshpc.errors import MshpcError
 from mshpc.launch.env import SupervisorLink
-from mshpc.launch.node_relay import is_dump_request, socket_name, start_relay
+from mshpc.launch.node_relay import socket_name, start_relay, supervisor_message
 from mshpc.launch.requeue import STOP_REQUEST_SIGNAL
 from mshpc.loss_check import LossDiverged
 from mshpc.mesh_shape import MeshShape
@@ -81,6 +82,12 @@ class Heartbeat:
         self._connected = False  # once: a supervisor that never answered is not one that went away
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
+        # recovery in place: the supervisor's word for the next generation, and what aborts this
+        # process's communicators when it says so (a NCCL collective waits for no dead peer's socket)
+        self._rejoin: dict[str, Any] | None = None
+        self._rejoined = threading.Event()
+        self.on_abort: Callable[[], None] = lambda: None
+        self.generation = link.generation if link is not None else 0
         self._thread = threading.Thread(target=self._run, name="mshpc-heartbeat", daemon=True)
 
     # ---------------------------------------------------------------- the train loop's side
@@ -98,6 +105,30 @@ class Heartbeat:
             self._send({"type": "started", "start_step": step})
         self._durations[previous].append(now - since)
         self._current = (name, step, now)
+
+    # ---------------------------------------------------------------- recovery in place
+
+    def lost(self, exc: BaseException) -> None:
+        """This rank's loop raised (its peers' failure, usually) and it lives on, waiting for the
+        supervisor's word to rejoin in a new generation."""
+        self._send({"type": "lost", "t": time.time(), "error": type(exc).__name__,
+                    "message": str(exc).splitlines()[0] if str(exc) else "", "phase": self._current[0],
+                    "step": self._current[1], "generation": self.generation})
+
+    def await_rejoin(self, timeout_s: float) -> dict[str, Any] | None:
+        """The supervisor's rejoin message (it may have come before the loop raised), or None
+        when none comes within `timeout_s` (or there is no supervisor). Consumed once read."""
+        if self.link is None or not self._rejoined.wait(timeout_s):
+            return None
+        message, self._rejoin = self._rejoin, None
+        self._rejoined.clear()
+        if message is not None:
+            self.generation = int(message["generation"])
+        return message
+
+    def restart(self) -> None:
+        """A new generation starts: setup again, and its "started" is sent again when it ends."""
+        self._current, self._start_step = ("setup", -1, time.monotonic()), None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -171,7 +202,7 @@ class Heartbeat:
                 sock.close()
             code = relay.poll() if relay is not None else None
             if code or time.monotonic() > deadline:  # the relay failed (out of reach of the supervisor), or none came
-                log.warning("no heartbeat relay on node %s (%s): this rank reports to the supervisor directly",
+                (log.info if self.relay.wait_s == 0 else log.warning)("no heartbeat relay on node %s (%s): this rank reports to the supervisor directly",
                             self.relay.node, f"it exited with code {code}" if code else
                             f"none listened within {self.relay.wait_s:g} s")
                 return None
@@ -210,10 +241,24 @@ class Heartbeat:
                 return
             while b"\n" in buffered:
                 line, buffered = buffered.split(b"\n", 1)
-                if is_dump_request(line):
-                    self._send(self._dump())
+                message = supervisor_message(line)
+                if message is not None:
+                    self._command(message)
             if len(buffered) > MAX_REQUEST_BYTES:  # no request is this long: not a supervisor's
                 return
+
+    def _command(self, message: dict[str, Any]) -> None:
+        """A supervisor's request: a dump; and, addressed to this rank, an abort or a rejoin."""
+        kind = message.get("type")
+        if kind == "dump":
+            self._send(self._dump())
+        elif message.get("rank") != self.hello["rank"]:
+            return  # a node's relay passes every rank's on to all of its ranks
+        elif kind == "abort":
+            self.on_abort()
+        elif kind == "rejoin":
+            self._rejoin = message
+            self._rejoined.set()
 
     def _orphaned(self) -> None:
         """The supervisor is gone: stop as on its stop request (every rank sees its connection
@@ -261,5 +306,9 @@ def start_heartbeat(link: SupervisorLink | None, rank: int, node: str, *, parall
     shape = MeshShape(pp=parallel.pp, dp=parallel.dp, tp=parallel.tp)
     hello = {"rank": rank, "host": node, "coords": str(shape.coords(rank))}
     relay = RelayPlan(node, link.starts_relay) if link is not None and supervisor.node_relay else None
+    if relay is not None and link is not None and link.replacement:
+        # its node's relay, if its other ranks kept it, else the supervisor directly: a relay
+        # started now would add a process start to the recovery
+        relay = RelayPlan(node, start=False, wait_s=0.0)
     return Heartbeat(link, hello, supervisor.heartbeat_interval_s, saves,
                      orphan_grace_s=supervisor.stop_grace_s, relay=relay)

@@ -1,12 +1,15 @@
 """The local launcher: start N ranks on this machine, wait, and stop them all if one fails.
 
 Ranks get torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so the
-same training entry point serves torchrun, srun, mpiexec and this launcher.
+same training entry point serves torchrun, srun, mpiexec and this launcher. For a recovery in
+place it replaces one rank by a warm standby (mshpc/launch/standby.py) or, without one, a cold
+start; the local slots share one host, so one standby serves them all.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import signal
@@ -55,13 +58,16 @@ class RankFailure:
         return f"rank {self.rank} {how}" + (f": {why}" if why else "")
 
 
+STANDBY = -1  # a standby's rank until it takes one
+
+
 def _pump(rp: RankProcess) -> None:
     """Copy a rank's stderr to ours with a rank prefix, keeping the last lines for the report."""
     assert rp.proc.stderr is not None
     for raw in rp.proc.stderr:
         line = raw.decode(errors="replace").rstrip("\n")
         rp.tail.append(line)
-        sys.stderr.write(f"[rank {rp.rank}] {line}\n")
+        sys.stderr.write(f"[{'standby' if rp.rank == STANDBY else f'rank {rp.rank}'}] {line}\n")
         sys.stderr.flush()
 
 
@@ -72,17 +78,19 @@ def _watch(rp: RankProcess, changed: threading.Event) -> None:
     changed.set()
 
 
-def _start(argv: Sequence[str], rank: int, nproc: int, port: int, extra_env: dict[str, str]) -> RankProcess:
-    env = dict(os.environ)
-    env.update(extra_env)
-    env.update(
-        RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MSHPC_BOOTSTRAP="env",
-    )
+def _rank_env(rank: int, nproc: int, port: int, extra_env: dict[str, str]) -> dict[str, str]:
+    """A rank's own variables; `extra_env`'s MASTER_PORT wins (a generation's store)."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MSHPC_BOOTSTRAP": "env", **extra_env}
+
+
+def _start(argv: Sequence[str], rank: int, env: dict[str, str], standby: bool = False) -> RankProcess:
     # Its own session: a signal to the launcher's process group (a terminal's hangup, `timeout`,
     # Ctrl-C) reaches the launcher only, which stops the ranks in order; and the rank dies with
     # the launcher, whatever ends it (kill -9 included).
-    proc = subprocess.Popen([sys.executable, "-m", "mshpc", *argv], env=env, stderr=subprocess.PIPE,
+    module = "mshpc.launch.standby" if standby else "mshpc"
+    proc = subprocess.Popen([sys.executable, "-m", module, *argv], env={**os.environ, **env},
+                            stdin=subprocess.PIPE if standby else None, stderr=subprocess.PIPE,
                             start_new_session=True, preexec_fn=die_with_parent())
     return RankProcess(rank=rank, proc=proc)
 
@@ -119,13 +127,56 @@ class LocalRanks:
     """`python -m mshpc ARGV` as N ranks on this machine, with their stderr prefixed and kept."""
 
     def __init__(self, argv: Sequence[str], rank_env: Sequence[dict[str, str]]) -> None:
-        port = free_port()
-        self.ranks = [_start(argv, r, len(rank_env), port, env) for r, env in enumerate(rank_env)]
+        self.argv, self.nproc, self.port = list(argv), len(rank_env), free_port()
+        # what every rank of the attempt shares (the supervisor's address and token...)
+        self.base_env = {k: v for k, v in (rank_env[0] if rank_env else {}).items()
+                         if all(env.get(k) == v for env in rank_env)}
         self.changed = threading.Event()
-        self._threads = [threading.Thread(target=f, args=a, daemon=True)
-                         for r in self.ranks for f, a in ((_pump, (r,)), (_watch, (r, self.changed)))]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
+        self.ranks = [self._follow(_start(argv, r, _rank_env(r, self.nproc, self.port, env)))
+                      for r, env in enumerate(rank_env)]
+        self.standby: RankProcess | None = None
+
+    def _follow(self, rp: RankProcess) -> RankProcess:
+        """Pump its stderr and watch for its exit."""
+        for f, a in ((_pump, (rp,)), (_watch, (rp, self.changed))):
+            thread = threading.Thread(target=f, args=a, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return rp
+
+    # ---------------------------------------------------------------- recovery in place
+
+    def warm(self) -> None:
+        """Start a standby unless one is running: it imports while the ranks train. Called from
+        the thread that started the ranks (a child dies with the thread that started it)."""
+        if self.standby is None or self.standby.proc.poll() is not None:
+            self.standby = self._follow(_start(self.argv, STANDBY, self.base_env, standby=True))
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL `rank` (a frozen process too), and wait for its end: its sockets close, so
+        its peers' collectives fail instead of waiting on it."""
+        proc = self.ranks[rank].proc
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+    def replace(self, rank: int, env: dict[str, str]) -> bool:
+        """Run `rank` anew with `env` on top of the attempt's: the standby takes it if one is
+        warm (True), else a cold start does (False)."""
+        full = {**self.base_env, **_rank_env(rank, self.nproc, self.port, env)}
+        standby, self.standby = self.standby, None
+        if standby is not None and standby.proc.poll() is None and standby.proc.stdin is not None:
+            try:
+                standby.proc.stdin.write((json.dumps({"env": full}) + "\n").encode())
+                standby.proc.stdin.close()
+                standby.rank = rank
+                self.ranks[rank] = standby
+                return True
+            except OSError:
+                standby.proc.kill()  # it died meanwhile: start cold
+        self.ranks[rank] = self._follow(_start(self.argv, rank, full))
+        return False
 
     def all_exited(self) -> bool:
         return all(r.exited_at is not None for r in self.ranks)
@@ -143,7 +194,10 @@ class LocalRanks:
                 r.proc.send_signal(signum)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> list[int]:
-        """Stop every rank (see `stop_all`); returns the ranks that needed SIGKILL."""
+        """Stop every rank (see `stop_all`) and the standby; returns the ranks that needed SIGKILL."""
+        if self.standby is not None and self.standby.proc.poll() is None:
+            self.standby.proc.kill()  # it holds nothing: no grace
+            self.standby.proc.wait()
         killed = stop_all([r.proc for r in self.ranks], grace_s)
         for t in self._threads:
             t.join(timeout=STOP_GRACE_S)

@@ -63,6 +63,11 @@ class RankState:
     exit_code: int | None = None  # when the launcher knows it (local ranks)
     exited_at: float | None = None
     exit_detail: str | None = None  # the launcher's own words on how it ended, when it has them
+    lost: dict[str, Any] | None = None  # its "lost" message: its loop raised, and it waits (recovery in place)
+    # recovery in place: when (monotonic) it was told to rejoin, or replaced; until its "started",
+    # its beats count as the set-up of the new generation from then, whatever phase they name
+    rejoin_at: float | None = None
+    generation: int = 0  # the generation of the attempt this rank is in (recoveries in place)
 
     def stuck_s(self, now: float, started_at: float) -> float:
         """How long the rank has been in its current phase, as far as the supervisor can tell."""
@@ -125,6 +130,7 @@ FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "failed": {"t": _num, "error": _str, "message": _str, "user_error": _bool, "loss_diverged": _bool,
                "phase": _str, "step": _int, "start_step": _optional(_int)},
     "exit": {"how": _str, "code": _optional(_int), "start_step": _optional(_int)},
+    "lost": {"t": _num, "error": _str, "message": _str, "phase": _str, "step": _int, "generation": _int},
     "dump": {"stacks": _str, "records": _records, "counts": _dict_of(_int)},
     # a node's relay (mshpc/launch/node_relay.py): its hello, then for the ranks of its node
     "node": {"token": _str, "v": _int, "host": _str, "pid": _optional(_int)},
@@ -132,7 +138,7 @@ FIELDS: dict[str, dict[str, Callable[[Any], bool]]] = {
     "beats": {"beats": lambda v: isinstance(v, list)},  # entries: BEAT_ENTRY, each checked
     "closed": {"rank": _int, "t": _num},  # the rank's connection to its relay ended (wall time)
 }
-RANK_KINDS = ("hello", "started", "failed", "exit", "dump")  # what a "rank" envelope may carry
+RANK_KINDS = ("hello", "started", "failed", "exit", "dump", "lost")  # what a "rank" envelope may carry
 _RANK_SAYS = ("beat", *RANK_KINDS[1:])  # what a rank's own connection may carry after its hello
 # One rank's beat in a "beats" batch: a beat's fields, its rank, and how long ago the relay got it
 BEAT_ENTRY = {**FIELDS["beat"], "rank": _int, "age_s": _num}
@@ -230,6 +236,7 @@ class Monitor:
         self.changed = threading.Event()  # set on every message that may need a decision
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
+        self._replaced: set[int] = set()  # ranks whose replacement has not said hello yet
         ensure_descriptors(world)
         self._server = socket.create_server((bind_host, 0), backlog=listen_backlog(world))
         self._server.setblocking(False)
@@ -396,6 +403,8 @@ class Monitor:
 
     def _rank_closed(self, rank: int, conn: socket.socket, at: float) -> None:
         with self._lock:
+            if rank in self._replaced or self._conns.get(rank) not in (conn, None):
+                return  # the connection of a rank replaced in place: its end is not the replacement's
             state = self.ranks[rank]
             if state.closed_at is None:
                 state.closed_at = at
@@ -420,6 +429,7 @@ class Monitor:
         if rank not in self.ranks:
             return None
         with self._lock:
+            self._replaced.discard(rank)
             state = self.ranks[rank]
             state.host, state.pid, state.coords = hello.get("host"), hello.get("pid"), hello.get("coords")
             state.last_beat_at = time.monotonic()
@@ -431,6 +441,8 @@ class Monitor:
         state.last_beat_at, state.phase, state.step = at, message["phase"], message["step"]
         state.phase_s, state.medians = message["phase_s"], message["medians"]
         state.counts, state.last = message["counts"], message["last"]
+        if state.rejoin_at is not None:  # a beat of the old generation's phase is no hang of the new
+            state.phase, state.phase_s = "setup", max(0.0, at - state.rejoin_at)
 
     def _update(self, state: RankState, message: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -439,15 +451,51 @@ class Monitor:
             if kind == "beat":
                 self._beat(state, message, now)
             elif kind == "started":
-                state.start_step = message["start_step"]
+                state.start_step, state.rejoin_at = message["start_step"], None
             elif kind in ("failed", "exit"):
                 state.outcome = message
                 if message.get("start_step") is not None:
                     state.start_step = message["start_step"]
             elif kind == "dump":
                 state.dump = message
+            elif kind == "lost" and message["generation"] >= state.generation:  # not an earlier one's, late
+                state.lost = message
         if kind != "beat":
             self.changed.set()
+
+    # ---------------------------------------------------------------- recovery in place
+
+    def replace(self, rank: int, generation: int) -> None:
+        """Forget `rank`: a replacement takes its place in `generation`; the old process's
+        connection ending, or its relay's, no longer counts against it."""
+        now = time.monotonic()
+        with self._lock:
+            self.ranks[rank] = RankState(rank, last_beat_at=now, rejoin_at=now, generation=generation)
+            self._conns.pop(rank, None)
+            self._replaced.add(rank)
+
+    def renew(self, rank: int, generation: int) -> None:
+        """A rank that lives on into `generation`: what it said of the last one is done, and it
+        is in the new one's set-up from now on."""
+        now = time.monotonic()
+        with self._lock:
+            state = self.ranks[rank]
+            state.generation = generation
+            state.outcome = state.lost = state.dump = state.start_step = None
+            state.last_beat_at, state.rejoin_at, state.phase, state.phase_s = now, now, "setup", 0.0
+
+    def send(self, rank: int, message: dict[str, Any]) -> bool:
+        """`message` to `rank` (through its node's relay, which passes it to that rank); False
+        when the rank has no connection."""
+        with self._lock:
+            conn = self._conns.get(rank)
+        if conn is None:
+            return False
+        try:  # non-blocking: a full socket buffer drops it (the rank then times out and is stopped)
+            conn.sendall((json.dumps(message) + "\n").encode())
+            return True
+        except OSError:
+            return False
 
     def request_dumps(self, timeout_s: float, silent_after_s: float = float("inf")) -> None:
         """Ask every connected rank for its stacks and flight recorder; wait up to `timeout_s` for

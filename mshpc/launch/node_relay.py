@@ -189,11 +189,13 @@ class Relay:
             self._flush()
 
     async def _from_supervisor(self, reader: asyncio.StreamReader) -> None:
-        """Dump requests go to every rank; the end of the connection ends the relay."""
+        """Dump requests go to every rank, a rank's abort or rejoin to that rank; the end of the
+        connection ends the relay."""
         try:
             while raw := await reader.readline():
-                if is_dump_request(raw):
-                    for transport in self._ranks.values():
+                to = addressee(raw)
+                for rank, transport in self._ranks.items():
+                    if to == "all" or to == rank:
                         transport.write(raw)
         except (OSError, ValueError):
             pass
@@ -282,13 +284,31 @@ def same_token(given: str, token: str) -> bool:
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
 
 
-def is_dump_request(raw: bytes) -> bool:
-    """Whether the line `raw` is the supervisor's request for stacks and records."""
+def supervisor_message(raw: bytes) -> dict[str, Any] | None:
+    """The supervisor's line `raw` as a mapping, or None when it is not one (never raises)."""
     try:
         message = json.loads(raw)
     except (ValueError, RecursionError):
-        return False
-    return isinstance(message, dict) and message.get("type") == "dump"
+        return None
+    return message if isinstance(message, dict) else None
+
+
+def is_dump_request(raw: bytes) -> bool:
+    """Whether the line `raw` is the supervisor's request for stacks and records."""
+    message = supervisor_message(raw)
+    return message is not None and message.get("type") == "dump"
+
+
+def addressee(raw: bytes) -> int | str | None:
+    """Whom a supervisor's line is for: "all" (a dump request), a rank (recovery in place: abort,
+    rejoin), or None."""
+    message = supervisor_message(raw)
+    if message is None:
+        return None
+    if message.get("type") == "dump":
+        return "all"
+    rank = message.get("rank")
+    return rank if message.get("type") in ("abort", "rejoin") and type(rank) is int else None
 
 
 def start_relay(node: str, interval_s: float) -> subprocess.Popen[bytes]:

@@ -7,7 +7,8 @@ Classes (what a person would conclude from the logs):
   environment a full disk or quota where the run writes (RunEnvironmentError): the site's, not the
               node's, and a retry cannot help; nothing is blamed
   node_fault  a rank killed by a signal or gone without a word, a rank silent in a hang, a node
-              Slurm reports DOWN/DRAIN/FAIL: the node, not the program
+              Slurm reports DOWN/DRAIN/FAIL, a rank found corrupting data silently by replays
+              (evicted at once): the node, not the program
   unknown     a Python exception, a first loss divergence, a hang where every rank is alive: retried
 Every failure that names a rank blames that rank's node; a node blamed `supervisor.evict_after`
 times (or reported down by Slurm at once) is evicted and a spare takes its place.
@@ -19,7 +20,7 @@ import collections
 from dataclasses import dataclass
 from typing import Literal
 
-from mshpc.errors import RunEnvironmentError
+from mshpc.errors import RunEnvironmentError, SilentDataCorruption
 from mshpc.launch.detection import Detection
 from mshpc.launch.hang_report import Missing
 from mshpc.launch.monitor import RankState
@@ -70,6 +71,9 @@ def classify(det: Detection, states: dict[int, RankState], missing: list[Missing
     if down:
         return Verdict("node_fault", tuple(sorted(down)), "Slurm reports " + ", ".join(
             f"{h} {s}" for h, s in sorted(down.items())), evict_now=True)
+    if _error_name(states, det.rank) == SilentDataCorruption.__name__:
+        return Verdict("node_fault", _host(states, det.rank), "silent data corruption: the rank's results differed "
+                       "from its own replays of the same steps again and again", evict_now=True)
     if det.kind == "user_error" and _error_name(states, det.rank) == RunEnvironmentError.__name__:
         return Verdict("environment", (), "the run's file system is full or over quota: not the node's "
                        "fault, and a retry cannot fix it")

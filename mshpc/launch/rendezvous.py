@@ -174,14 +174,15 @@ def store_proof(secret: str, port: int) -> str:
 
 
 def connect_store(addr: str, port: int, rank: int, world_size: int, timeout_s: float,
-                  secret: str | None = None, bind_host: str = "0.0.0.0") -> dist.TCPStore:
-    """Rank 0 serves the store on `bind_host`; the others connect as soon as it listens, and with
-    a `secret` trust it only once it shows the proof (`store_proof`): a listener another user put
-    on the port cannot. No rank waits for the others here: the process group's own connections do
-    that. torch's TCPStore itself has no access control: anyone who reaches it may read and write
-    keys (docs/security.md says what that leaves)."""
+                  secret: str | None = None, bind_host: str = "0.0.0.0", store_rank: int = 0) -> dist.TCPStore:
+    """Rank `store_rank` (0, or a surviving rank in a generation after a recovery in place) serves
+    the store on `bind_host`; the others connect as soon as it listens, and with a `secret` trust
+    it only once it shows the proof (`store_proof`): a listener another user put on the port
+    cannot. No rank waits for the others here: the process group's own connections do that.
+    torch's TCPStore itself has no access control: anyone who reaches it may read and write keys
+    (docs/security.md says what that leaves)."""
     timeout = timedelta(seconds=timeout_s)
-    if rank == 0:
+    if rank == store_rank:
         store = dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
                               master_listen_fd=listen_ipv4(bind_host, port, world_size))
         if secret:
@@ -223,8 +224,9 @@ def init_distributed(env: LaunchEnv, timeout_s: float = 600.0) -> DistInfo:
         secret = env.supervisor.token if env.supervisor is not None else None
         env, addr, port = _address(env, secret)
         check_world(env, env.world_size)
-        bind_host = bind_address(addr, env.local_world_size >= env.world_size) if env.rank == 0 else ""
-        store = connect_store(addr, port, env.rank, env.world_size, timeout_s, secret, bind_host)
+        serves = env.rank == env.store_rank  # rank 0, or after a recovery in place a survivor
+        bind_host = bind_address(addr, env.local_world_size >= env.world_size) if serves else ""
+        store = connect_store(addr, port, env.rank, env.world_size, timeout_s, secret, bind_host, env.store_rank)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     log.info("rank %d/%d on %s: %s via %s", env.rank, env.world_size, env.node, backend, env.launcher)
     return DistInfo(

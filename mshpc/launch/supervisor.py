@@ -26,15 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from mshpc.config import SupervisorConfig
+from mshpc.config import ParallelConfig, RecoveryConfig, SupervisorConfig
 from mshpc.errors import USER_ERROR_EXIT
 from mshpc.events import append_event
 from mshpc.launch.detection import Detection, all_finished, detect, stop_request
 from mshpc.launch.hang_report import REPORT_FILE, Missing, missing_ranks, where, write_hang_report
+from mshpc.launch.in_place import Generation, Replaceable, carry_out, plan
 from mshpc.launch.monitor import Monitor, RankState
+from mshpc.launch.ports import free_port
 from mshpc.launch.recovery import NodePool, PastFailure, Verdict, classify
 from mshpc.launch.requeue import STOP_REQUEST_SIGNAL, JobStopped, latest_checkpoint_step
 from mshpc.launch.stop_signals import stop_signals_to
+from mshpc.mesh_shape import MeshShape
 from mshpc.run_lock import hold_run_lock
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,18 @@ class Attempt:
     started_at: float  # monotonic
     resumed_from: int | None = None  # the step the ranks resumed from (rank 0 tells it at once)
     first_step_at: float | None = None  # when a first step finished: training goes on
+    generation: int = 0  # recoveries in place within this attempt
+    kind: str = "disk"  # how the ranks now training recovered: from disk (or a first start), or in place
+    warm_pending: bool = True  # a standby is to be started once every rank trains (recovery.in_place)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A failure the watch loop saw and no recovery in place resolved."""
+
+    detection: Detection
+    missing: list[Missing]  # a hang's missing ranks, from its report
+    verdict: Verdict | None  # classified already when a recovery in place was tried
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,7 @@ class Tally:
     recover_s: list[float] = field(default_factory=list)
     detected_at: float | None = None  # monotonic, of the failure being recovered from
     trained_from: int | None = None  # the lowest step an attempt of this run resumed training at
+    kinds: list[str] = field(default_factory=list)  # each recovery's kind, in order: "disk", "in_place"
 
 
 class Supervisor:
@@ -102,7 +118,8 @@ class Supervisor:
 
     def __init__(self, world: int, pool: NodePool, start: Starter, bind_host: str, *,
                  supervisor: SupervisorConfig, spare_nodes: int, run_dir: Path, checkpoints: Path,
-                 down: DownCheck = lambda hosts: {}, requeue: Requeue | None = None) -> None:
+                 down: DownCheck = lambda hosts: {}, requeue: Requeue | None = None,
+                 recovery: RecoveryConfig = RecoveryConfig(), parallel: ParallelConfig = ParallelConfig()) -> None:
         self.scfg, self.spare_nodes, self.world, self.pool = supervisor, spare_nodes, world, pool
         self.start, self.bind_host, self.down, self.requeue = start, bind_host, down, requeue
         self.run_dir, self.checkpoints = run_dir, checkpoints
@@ -112,6 +129,11 @@ class Supervisor:
         self.requeued = False
         self.stop_signal: int | None = None  # the first stop signal this supervisor received
         self.stop_signals = 0  # how many: a second one stops the ranks at once
+        self.recovery = recovery  # in place: whom to replace needs the mesh (each rank's buddy)
+        self.shape = MeshShape(pp=parallel.pp, dp=world // (parallel.tp * parallel.pp), tp=parallel.tp)
+        self.restarts = 0  # recoveries so far, from disk and in place alike (supervisor.max_restarts)
+        self.starts = 0  # starts of training so far (what MSHPC_ATTEMPT tells the ranks, and faults bind to)
+        self._refused: str | None = None  # why the last failure could not be recovered in place
 
     def request_stop(self, signum: int) -> None:
         """A stop signal (SIGTERM, SIGHUP) to this supervisor; runs in the signal handler, so it
@@ -135,17 +157,18 @@ class Supervisor:
     def _run(self) -> int:
         self.event("supervisor_start", world=self.world, hosts=self.pool.active, spares=self.pool.spares,
                    knobs={**dataclasses.asdict(self.scfg), "spare_nodes": self.spare_nodes})
-        restarts = 0
-        for number in range(self.scfg.max_restarts + 1):
+        number = 0
+        while True:
             code, failure = self._attempt(number)
             if failure is None and code == 0:
                 return self._end("finished", code)
             if failure is None:  # stopped on request after a checkpoint: as the ranks did, not a failure
                 raise JobStopped(self._stopped(code))
-            if not self._recoverable(failure.verdict, restarts):
+            if not self._recoverable(failure.verdict, self.restarts):
                 return self._failed(failure)
-            restarts += 1
-        raise AssertionError("unreachable: the last attempt either ends or is not recoverable")
+            self.restarts += 1
+            self.starts += 1
+            number += 1
 
     def _failed(self, failure: Failure) -> int:
         """The end after a failure that is not retried; the last line says what failed."""
@@ -175,21 +198,22 @@ class Supervisor:
         monitor = Monitor(self.world, token, self.bind_host)
         address = socket.gethostname() if self.bind_host != "127.0.0.1" else "127.0.0.1"
         env = {"MSHPC_SUPERVISOR": f"{address}:{monitor.port}", "MSHPC_SUPERVISOR_TOKEN": token,
-               "MSHPC_ATTEMPT": str(number)}
+               "MSHPC_ATTEMPT": str(self.starts)}
         attempt = Attempt(number, list(self.pool.active), time.monotonic())
         self.event("attempt_start", attempt=number, hosts=attempt.hosts)
         ranks = self.start(number, attempt.hosts, env)
         try:
-            code, det = self._watch(monitor, ranks, attempt)
-            if det is None:
+            code, seen = self._watch(monitor, ranks, attempt, token)
+            if seen is None:
                 self._last_words(monitor, attempt)
                 return code, None
-            return code, Failure(det, self._handle(det, monitor, ranks, attempt, token))
+            return code, Failure(seen.detection, self._handle(seen, monitor, ranks, attempt))
         finally:
             ranks.stop(self.scfg.stop_grace_s)
             monitor.close()
 
-    def _watch(self, monitor: Monitor, ranks: Ranks, attempt: Attempt) -> tuple[int, Detection | None]:
+    def _watch(self, monitor: Monitor, ranks: Ranks, attempt: Attempt,
+               token: str) -> tuple[int, Seen | None]:
         done_at, passed = None, 0  # passed: the stop signals handled in this attempt
         began: float | None = None  # of the last pass
         while True:
@@ -216,9 +240,13 @@ class Supervisor:
                 if exited or time.monotonic() - done_at > EXIT_WAIT_S:
                     return code, None
                 continue
+            self._warm(monitor.ranks, ranks, attempt)
             det = detect(monitor.ranks, self.scfg, attempt.started_at)
             if det is not None:
-                return det.exit_code, det
+                missing = self._detected(det, monitor, attempt, token)
+                recovered, verdict = self._in_place(det, monitor, ranks, attempt, missing)
+                if not recovered:
+                    return det.exit_code, Seen(det, missing, verdict)
 
     def _ask_to_stop(self, ranks: Ranks, attempt: Attempt) -> None:
         """The ranks train: they checkpoint at their next step boundary and exit (stop_request);
@@ -256,20 +284,21 @@ class Supervisor:
             attempt.resumed_from = first.start_step
             before = self.tally.trained_from
             self.tally.trained_from = first.start_step if before is None else min(before, first.start_step)
-            self.event("resumed", attempt=attempt.number, from_step=first.start_step)
+            self.event("resumed", attempt=attempt.number, recovery=attempt.kind, from_step=first.start_step)
         trained = first.start_step is not None and first.step > first.start_step
         if attempt.first_step_at is None and (trained or (first.outcome or {}).get("how") == "ok"):
             attempt.first_step_at = time.monotonic()
             if self.tally.detected_at is not None:
                 took = attempt.first_step_at - self.tally.detected_at
                 self.tally.recover_s.append(took)
-                self.event("recovered", attempt=attempt.number, time_to_recover_s=took,
-                           resumed_from=attempt.resumed_from)
+                self.tally.kinds.append(attempt.kind)
+                self.event("recovered", attempt=attempt.number, recovery=attempt.kind, generation=attempt.generation,
+                           time_to_recover_s=took, resumed_from=attempt.resumed_from)
 
     # ---------------------------------------------------------------- a failure
 
-    def _handle(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt, token: str) -> Verdict:
-        """Say what failed (events, the hang report), stop the ranks, and classify the failure."""
+    def _detected(self, det: Detection, monitor: Monitor, attempt: Attempt, token: str) -> list[Missing]:
+        """Record a failure (and, for a hang, write the report); returns the hang's missing ranks."""
         states = monitor.ranks
         self.tally.detected_at = time.monotonic()
         self.tally.failures.append(det.kind)
@@ -280,16 +309,86 @@ class Supervisor:
                    step=det.step + 1, detail=det.detail, time_to_detect_s=det.time_to_detect_s,
                    timeout_s=det.timeout_s, timeout_why=det.timeout_why)
         log.warning("supervisor: %s", det.detail)
-        missing = self._report_hang(det, monitor, attempt, token) if det.kind == "hang" else []
+        return self._report_hang(det, monitor, attempt, token) if det.kind == "hang" else []
+
+    def _handle(self, seen: Seen, monitor: Monitor, ranks: Ranks, attempt: Attempt) -> Verdict:
+        """Stop every rank of the attempt, then say what the failure was (its verdict, unless a
+        recovery in place that could not help classified it already)."""
         began = time.monotonic()
         killed = ranks.stop(self.scfg.stop_grace_s)
         self.event("ranks_stopped", attempt=attempt.number, stop_s=time.monotonic() - began, sigkilled=killed)
+        if seen.verdict is not None:
+            return seen.verdict
+        return self._classify(seen.detection, monitor.ranks, seen.missing, attempt)
+
+    def _classify(self, det: Detection, states: dict[int, RankState], missing: list[Missing], attempt: Attempt) -> Verdict:
         same = self.past == (now := PastFailure.of(det, states, attempt.resumed_from))
         self.past = now
         verdict = classify(det, states, missing, self.down(attempt.hosts), same)
         self.event("classified", attempt=attempt.number, fault_class=verdict.cls, blame=list(verdict.blame),
                    reason=verdict.reason)
         return verdict
+
+    # ---------------------------------------------------------------- recovery in place
+
+    def _warm(self, states: dict[int, RankState], ranks: Ranks, attempt: Attempt) -> None:
+        """Once every rank trains (its start-up is not to be slowed), a standby starts importing."""
+        if attempt.warm_pending and self.recovery.in_place and self.recovery.standby and isinstance(ranks, Replaceable):
+            if all(s.start_step is not None for s in states.values()):
+                attempt.warm_pending = False
+                ranks.warm()
+
+    def _in_place(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt,
+                  missing: list[Missing]) -> tuple[bool, Verdict | None]:
+        """Recover from `det` inside the running attempt (mshpc/launch/in_place.py): whether it
+        did, and the failure's verdict when classified. False, with an event saying why, when that
+        cannot help: the caller restarts from disk."""
+        self._refused = None
+        if not self.recovery.in_place:
+            return False, None
+        states = monitor.ranks
+        verdict = self._classify(det, states, missing, attempt)
+        chosen, why = plan(det, states, missing, self.shape)
+        why = why or self._cannot_recover(verdict, ranks)
+        if chosen is None or why:
+            self._refused = why
+            self.event("in_place_refused", attempt=attempt.number, why=why)
+            log.warning("supervisor: no recovery in place: %s; restarting from disk", why)
+            return False, verdict
+        for host in verdict.blame:
+            count = self.pool.blame(host)
+            if self.pool.should_evict(host, verdict.evict_now):
+                self._evict(host, count, verdict)  # a spare is free (_cannot_recover checked)
+        per = self.world // len(attempt.hosts)
+        attempt.hosts = list(self.pool.active)
+        self.restarts, self.starts, attempt.generation = self.restarts + 1, self.starts + 1, attempt.generation + 1
+        gen = Generation(attempt.generation, self.starts, free_port(), chosen.store_rank)
+        nodes = [attempt.hosts[r // per] for r in range(self.world)]
+        assert isinstance(ranks, Replaceable)
+        warm = carry_out(chosen, gen, monitor, ranks, nodes)
+        self.event("recover_in_place", attempt=attempt.number, generation=gen.number, store_rank=gen.store_rank,
+                   replaced=[{"rank": r, "node": nodes[r], "buddy": chosen.keepers[r], "standby": w}
+                             for r, w in zip(chosen.replaced, warm, strict=True)], ring=chosen.ring)
+        log.warning("supervisor: recovering in place: rank(s) %s replaced (%s), generation %d",
+                    ", ".join(map(str, chosen.replaced)), "warm standby" if all(warm) else "cold start", gen.number)
+        attempt.resumed_from, attempt.first_step_at, attempt.kind, attempt.warm_pending = None, None, "in_place", True
+        return True, verdict
+
+    def _cannot_recover(self, verdict: Verdict, ranks: Ranks) -> str:
+        """Why no recovery at all, or in place, may follow this verdict; "" when one may."""
+        if not isinstance(ranks, Replaceable):
+            return "this launcher cannot replace one rank (a Slurm job step starts and ends whole)"
+        if verdict.cls in NOT_RETRIED:
+            return f"a {verdict.cls.replace('_', ' ')}: {verdict.reason}"
+        if self.stopping:
+            return "the job is stopping"
+        if self.restarts >= self.scfg.max_restarts:
+            return f"supervisor.max_restarts={self.scfg.max_restarts} recoveries used"
+        evicted = [h for h in verdict.blame if h in self.pool.active
+                   and (verdict.evict_now or self.pool.blames[h] + 1 >= self.pool.evict_after)]
+        if len(evicted) > len(self.pool.spares):
+            return f"{', '.join(evicted)} to be evicted and no spare left"
+        return ""
 
     def _report_hang(self, det: Detection, monitor: Monitor, attempt: Attempt, token: str) -> list[Missing]:
         """Before anything is stopped: every live rank's stacks and flight recorder, the missing
@@ -325,7 +424,8 @@ class Supervisor:
             self.event("gave_up", reason=f"supervisor.max_restarts={self.scfg.max_restarts} restarts used")
             return False
         latest = latest_checkpoint_step(self.checkpoints)
-        self.event("restart", attempt=restarts + 1, hosts=self.pool.active, latest_checkpoint=latest)
+        self.event("restart", attempt=restarts + 1, hosts=self.pool.active, latest_checkpoint=latest, recovery="disk",
+                   **({"why_not_in_place": self._refused} if self._refused else {}))
         log.warning("supervisor: restart %d of %d on %s from the latest good checkpoint (newest: %s)",
                     restarts + 1, self.scfg.max_restarts, ",".join(self.pool.active), latest)
         return True
@@ -357,6 +457,7 @@ class Supervisor:
         self.event("run_end", outcome=outcome, exit_code=code, wall_s=wall, useful_s=useful,
                    effective_time_ratio=useful / wall if wall > 0 else None, failures=len(t.failures),
                    failure_kinds=t.failures, time_to_detect_s=t.detect_s, time_to_recover_s=t.recover_s,
+                   recovery_kinds=t.kinds,
                    evicted=self.pool.evicted)
         if t.failures:
             print(f"mshpc: supervisor: {len(t.failures)} failure(s) ({', '.join(t.failures)}); detected in "
@@ -404,7 +505,8 @@ def slot_hosts(nproc: int, *, ranks_per_slot: int, spare_nodes: int) -> tuple[li
 
 
 def supervise_local(argv: list[str], nproc: int, *, supervisor: SupervisorConfig, spare_nodes: int,
-                    run_dir: Path, checkpoints: Path) -> int:
+                    run_dir: Path, checkpoints: Path, recovery: RecoveryConfig = RecoveryConfig(),
+                    parallel: ParallelConfig = ParallelConfig()) -> int:
     """`mshpc train --nproc N`: N local ranks under the supervisor; returns the exit code."""
     from mshpc.launch.local import LocalRanks
 
@@ -418,7 +520,8 @@ def supervise_local(argv: list[str], nproc: int, *, supervisor: SupervisorConfig
                                                for r in range(nproc)]))
 
     sup = Supervisor(nproc, NodePool(hosts, needed, supervisor.evict_after), start, "127.0.0.1",
-                     supervisor=supervisor, spare_nodes=spare_nodes, run_dir=run_dir, checkpoints=checkpoints)
+                     supervisor=supervisor, spare_nodes=spare_nodes, run_dir=run_dir, checkpoints=checkpoints,
+                     recovery=recovery, parallel=parallel)
     with stop_signals_to(sup.request_stop):
         return sup.run()
 
@@ -441,3 +544,12 @@ class _LocalAttempt:
 
     def stop(self, grace_s: float) -> list[int]:
         return self.ranks.stop(grace_s)
+
+    def kill(self, rank: int) -> None:
+        self.ranks.kill(rank)
+
+    def replace(self, rank: int, env: dict[str, str]) -> bool:
+        return bool(self.ranks.replace(rank, env))
+
+    def warm(self) -> None:
+        self.ranks.warm()

@@ -10,9 +10,9 @@ before it, on the same ranks and the same batch, and the two runs are compared.
   persistent    the same rank differed in `recovery.persistent_after` replays: its device keeps
                 corrupting data silently, and its node is evicted (SilentDataCorruption).
 
-Attribution needs each rank's own contribution, before the collectives mix them: its local loss
-and a fingerprint of its local gradients (the sum of their squares, summed in each parameter's
-hook). Megatron's rerun state machine reruns on the same GPU too, then on another one to tell a
+Attribution needs each rank's own contribution, before the collectives mix them: a fingerprint
+of its local gradients (the sum of their squares, summed in each parameter's hook), which a
+corrupted forward on that rank changes too. Megatron's rerun state machine reruns on the same GPU too, then on another one to tell a
 persistent fault from a true result; here the fingerprints name the rank at once, and repetition
 across replays is what makes a fault persistent.
 """
@@ -28,23 +28,18 @@ import torch
 from torch import nn
 
 
-class SilentDataCorruption(RuntimeError):
-    """A rank's results differed from its own replays again and again: the supervisor evicts its node."""
-
-
 @dataclass(frozen=True)
 class StepResult:
     """What one run of a step produced, on this rank: the global loss and gradient norm (the same
-    on every rank) and this rank's own local loss and gradient fingerprint."""
+    on every rank) and the fingerprint of this rank's own gradients."""
 
     loss: float
     grad_norm: float
-    local_loss: float
     local_grad_sq: float
 
-    def as_json(self) -> list[float | str]:
+    def as_json(self) -> list[str]:
         # JSON has no NaN or Inf literal; repr() round-trips every float exactly
-        return [repr(v) for v in (self.loss, self.grad_norm, self.local_loss, self.local_grad_sq)]
+        return [repr(v) for v in (self.loss, self.grad_norm, self.local_grad_sq)]
 
     @staticmethod
     def from_json(values: list[str]) -> StepResult:
@@ -114,11 +109,9 @@ def compare(first: list[StepResult], second: list[StepResult]) -> tuple[tuple[in
     """The ranks whose local results differ between the two runs, and what differed."""
     ranks, differed = [], {}
     for rank, (a, b) in enumerate(zip(first, second, strict=True)):
-        parts = [f"{name} {x!r} then {y!r}" for name, x, y in (("local loss", a.local_loss, b.local_loss),
-                 ("local gradient sum of squares", a.local_grad_sq, b.local_grad_sq)) if not _same(x, y)]
-        if parts:
+        if not _same(a.local_grad_sq, b.local_grad_sq):
             ranks.append(rank)
-            differed[f"rank {rank}"] = "; ".join(parts)
+            differed[f"rank {rank}"] = f"local gradient sum of squares {a.local_grad_sq!r} then {b.local_grad_sq!r}"
     a, b = first[0], second[0]
     glob = [f"{name} {x!r} then {y!r}" for name, x, y in (("loss", a.loss, b.loss), ("gradient norm", a.grad_norm, b.grad_norm))
             if not _same(x, y)]

@@ -15,15 +15,11 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from mshpc.errors import SnapshotsUnusable
 from mshpc.parallel import comm
 from mshpc.snapshot.placement import Buddies
 from mshpc.snapshot.slot import Slot, SlotLayout, private_buffer
 from mshpc.snapshot.state import TrainState, install
-
-
-class SnapshotsUnusable(RuntimeError):
-    """No step of which every rank's snapshot is whole: the restart goes to the disk checkpoint.
-    Not an MshpcError: it is no user's mistake, and a restart from disk is the cure."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from mshpc.config import ModelConfig, OptimConfig, ParallelConfig
+from mshpc.errors import SnapshotsUnusable
 from mshpc.mesh_shape import MeshShape
 from mshpc.model.gpt import GPT, loss_fn
 from mshpc.optim.schedule import build_scheduler
@@ -17,7 +18,7 @@ from mshpc.parallel import comm
 from mshpc.parallel.zero_build import build_zero_engine
 from mshpc.snapshot.exchange import SendExchange, SharedExchange, build_exchange
 from mshpc.snapshot.placement import buddies
-from mshpc.snapshot.restore import Held, SnapshotsUnusable, restore_in_place
+from mshpc.snapshot.restore import Held, restore_in_place
 from mshpc.snapshot.slot import SlotLayout
 from mshpc.snapshot.state import TrainState, extras, live_tensors
 from mshpc.snapshot.store import SnapshotStore
