@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -35,6 +36,10 @@ class FaultHooks:
     def install_slowdown(self, model: nn.Module, start_step: int, forwards_per_step: int) -> None:
         """The train loop, once before its first step (resumed at `start_step`, `forwards_per_step`
         forwards of `model` per optimizer step)."""
+
+    def before_restore(self, kept: list[torch.Tensor]) -> None:
+        """The snapshot keeper, before a restore in place, with the buffers of the snapshots this
+        rank keeps for another rank."""
 
 
 NO_FAULTS = FaultHooks()

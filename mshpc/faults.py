@@ -16,6 +16,12 @@ supervisor's attempt A; without it, in every attempt). KIND one of
   corrupt_latest  flip a byte of a master tensor in the latest committed checkpoint
   slow   from step S on, each forward on rank R takes `factor` times as long, a sleep after it
          (a slower device): `slow:rank=R:step=S:factor=F`, F >= 1
+  grad_flip   in step S, one bit flips in a gradient this rank computes (its largest element's top
+              exponent bit: it becomes huge or Inf), once: a transient silent data corruption
+  grad_flips  the same in every step from S on, in its first run only (a replay of it is clean):
+              a device that keeps corrupting data
+  corrupt_snapshot  before this rank restores in place (`KIND:rank=R`, no step), one bit flips in
+              each snapshot it keeps for the rank it is the buddy of
 and, honoured by `mshpc preflight` (no step: `KIND:rank=R`),
   gemm_slow   this rank's GEMMs take SLOW_FACTOR times as long (the device tests and the burn)
   gemm_wrong  one element of each GEMM result on this rank is wrong (silent data corruption)
@@ -34,6 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from mshpc.errors import ConfigError
@@ -42,11 +49,13 @@ from mshpc.fault_hooks import FaultHooks
 from mshpc.parallel import comm
 
 KINDS = ("raise", "kill", "kill_in_save", "slow_save", "stop", "raise_in_collective", "nan", "corrupt_latest",
-         "slow", "gemm_slow", "gemm_wrong")
+         "slow", "gemm_slow", "gemm_wrong", "grad_flip", "grad_flips", "corrupt_snapshot")
 # every other kind fires in the step phase
-_PHASE = {"kill_in_save": "save", "slow_save": "save", "slow": "forward", "gemm_slow": "preflight", "gemm_wrong": "preflight"}
+_PHASE = {"kill_in_save": "save", "slow_save": "save", "slow": "forward", "gemm_slow": "preflight", "gemm_wrong": "preflight",
+          "corrupt_snapshot": "restore"}  # the snapshot keeper's hook (before_restore) fires it
 # what each kind takes besides its target (rank= or node=) and an optional attempt=
-_FIELDS = {"slow": {"step", "factor"}, "slow_save": {"step", "factor"}, "gemm_slow": set(), "gemm_wrong": set()}
+_FIELDS = {"slow": {"step", "factor"}, "slow_save": {"step", "factor"}, "gemm_slow": set(), "gemm_wrong": set(),
+           "corrupt_snapshot": set()}
 SLOW_FACTOR = 4  # gemm_slow: each GEMM runs this many times and counts once
 
 
@@ -99,16 +108,25 @@ def bind(faults: tuple[Fault, ...], rank: int, node: str, attempt: int, run_dir:
     return tuple(mine)
 
 
+def _due(fault: Fault, rank: int, step: int, phase: str) -> bool:
+    if fault.rank != rank or _PHASE.get(fault.kind, "step") != phase:
+        return False
+    return step >= fault.step if fault.kind == "grad_flips" else step == fault.step
+
+
 def inject(faults: tuple[Fault, ...], rank: int, step: int, phase: str = "step") -> None:
     """Fire the faults planned for this rank at this step (0-based) and phase, if any."""
     for fault in faults:
-        if fault.rank != rank or fault.step != step or _PHASE.get(fault.kind, "step") != phase:
-            continue
-        if fault.run_dir is not None:
-            target = os.readlink(fault.ckpt_root / "latest") if fault.kind == "corrupt_latest" and fault.ckpt_root else None
-            append_event(fault.run_dir, "fault_injected", fault=fault.kind, rank=rank, node=fault.node,
-                         step=step, attempt=fault.attempt, pid=os.getpid(), target=target)
-        _fire(fault, rank, step)
+        if _due(fault, rank, step, phase):
+            _record(fault, rank, step)
+            _fire(fault, rank, step)
+
+
+def _record(fault: Fault, rank: int, step: int) -> None:
+    if fault.run_dir is not None:
+        target = os.readlink(fault.ckpt_root / "latest") if fault.kind == "corrupt_latest" and fault.ckpt_root else None
+        append_event(fault.run_dir, "fault_injected", fault=fault.kind, rank=rank, node=fault.node,
+                     step=step, attempt=fault.attempt, pid=os.getpid(), target=target)
 
 
 def _fire(fault: Fault, rank: int, step: int) -> None:
@@ -123,6 +141,8 @@ def _fire(fault: Fault, rank: int, step: int) -> None:
         fail_next_collective(f"{message} (inside a collective)")
     elif fault.kind == "nan":
         _poison_next_forward()
+    elif fault.kind in ("grad_flip", "grad_flips"):
+        _FLIP_NEXT_GRADIENT[0] = True
     elif fault.kind == "corrupt_latest":
         assert fault.ckpt_root is not None, "corrupt_latest needs a bound fault"
         _corrupt_latest(fault.ckpt_root)
@@ -165,6 +185,28 @@ def _poison_next_forward() -> None:
     handle = torch.nn.modules.module.register_module_forward_hook(hook)  # type: ignore[arg-type]  # stub says -> None
 
 
+# armed by a grad_flip fault in the step phase, spent by the first gradient of that step's backward
+_FLIP_NEXT_GRADIENT = [False]
+
+
+def _flip_hook(grad: torch.Tensor) -> torch.Tensor | None:
+    """The top exponent bit of the largest element of the gradient flips, once armed: the value
+    turns huge or Inf, as a corrupted multiply would make it."""
+    if not _FLIP_NEXT_GRADIENT[0]:
+        return None
+    _FLIP_NEXT_GRADIENT[0] = False
+    flipped = grad.detach().clone().float()
+    bits = flipped.view(-1).view(torch.int32)
+    bits[int(flipped.abs().argmax())] ^= 1 << 30
+    return flipped.to(grad.dtype)
+
+
+def flip_snapshots(buffers: list[torch.Tensor]) -> None:
+    """One bit in the middle of each kept snapshot flips (past its header: its checksum must find it)."""
+    for buffer in buffers:
+        buffer[buffer.numel() // 2] ^= 0x04
+
+
 def _corrupt_latest(root: Path) -> None:
     """Flip one byte of the largest master tensor of shard 0 of the latest checkpoint."""
     import h5py
@@ -203,6 +245,14 @@ class InjectedFaults(FaultHooks):
 
     def install_slowdown(self, model: nn.Module, start_step: int, forwards_per_step: int) -> None:
         install_slowdown(model, self.faults, self.rank, start_step, forwards_per_step)
+        if any(f.kind in ("grad_flip", "grad_flips") for f in self.faults):
+            next(p for p in model.parameters() if p.requires_grad).register_hook(_flip_hook)
+
+    def before_restore(self, kept: list[torch.Tensor]) -> None:
+        for fault in self.faults:
+            if fault.kind == "corrupt_snapshot" and fault.rank == self.rank:
+                _record(fault, self.rank, 0)
+                flip_snapshots(kept)
 
 
 def planned(faults: tuple[Fault, ...], kind: str, rank: int) -> bool:

@@ -291,7 +291,7 @@ def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks, ke
     start_step = 0 if restore else ckpt.resume()
     state = TrainState(engine, scheduler)
     if keeper is not None:
-        start_step = begin_snapshots(keeper, state, mesh, start_step, restore, info.rank == 0, cfg)
+        start_step = begin_snapshots(keeper, state, mesh, start_step, restore, info.rank == 0, cfg, faults)
     faults.install_slowdown(engine.model, start_step, cfg.train.grad_accum)
     guard = (StepGuard(cfg.recovery, keeper, state, engine.model, rt.device, run_dir if info.rank == 0 else None)
              if keeper is not None and cfg.recovery.replay else None)  # after the faults: their hooks first
@@ -442,11 +442,11 @@ def stop_if_asked(watcher: PreemptionWatcher, ckpt: TrainCheckpointer, done: int
 
 
 def begin_snapshots(keeper: SnapshotKeeper, state: TrainState, mesh: Mesh, start_step: int, restore: bool,
-                    first: bool, cfg: Config) -> int:
+                    first: bool, cfg: Config, faults: FaultHooks) -> int:
     """This generation's snapshots (restored from the last one's when `restore`); returns the
     step to train from. Collective over the world. Rank 0 (`first`) tells what was restored."""
     began = time.perf_counter()
-    start_step, restored = keeper.begin(state, mesh.shape, start_step, restore)
+    start_step, restored = keeper.begin(state, mesh.shape, start_step, restore, faults)
     if first and restored is not None:
         report_restored(restored, time.perf_counter() - began, cfg)
     return start_step

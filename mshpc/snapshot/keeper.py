@@ -21,6 +21,7 @@ from torch import nn
 from mshpc.config import RecoveryConfig
 from mshpc.errors import SilentDataCorruption
 from mshpc.events import append_event
+from mshpc.fault_hooks import NO_FAULTS, FaultHooks
 from mshpc.mesh_shape import MeshShape
 from mshpc.parallel import comm
 from mshpc.snapshot.exchange import build_exchange
@@ -44,7 +45,8 @@ class SnapshotKeeper:
         self.store: SnapshotStore | None = None
         self.group: dist.ProcessGroup | None = None
 
-    def begin(self, state: TrainState, shape: MeshShape, start_step: int, restore: bool) -> tuple[int, Restored | None]:
+    def begin(self, state: TrainState, shape: MeshShape, start_step: int, restore: bool,
+              faults: FaultHooks = NO_FAULTS) -> tuple[int, Restored | None]:
         """A generation starts: restore in place from the last one's slots when `restore`, then
         snapshot the state training starts from. Collective over the world; returns the step
         training goes on from (SnapshotsUnusable when nothing can be restored)."""
@@ -53,6 +55,7 @@ class SnapshotKeeper:
         layout = SlotLayout.of(live_tensors(state.engine))
         restored = None
         if restore:
+            faults.before_restore([slot.buffer for slots in self.held.wards.values() for slot in slots])
             restored = restore_in_place(self.held, layout, state, ring, self.group, self.pinned)
             start_step = restored.step
         self.held = Held()  # the last generation's slots go; this one's are made next
