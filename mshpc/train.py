@@ -124,10 +124,12 @@ def warn_if_unfit(cfg: Config, rt: Runtime) -> None:
         log.warning(warning)
 
 
-def open_data(cfg: Config, info: DistInfo, fresh: bool) -> tuple[DataSources, list[tuple[Path, float]]]:
+def open_data(cfg: Config, info: DistInfo, fresh: bool,
+              verify: bool = True) -> tuple[DataSources, list[tuple[Path, float]]]:
     """The run's token sources. Rank 0 first prepares the embedded corpus if needed, adopts the
     data's tokenizer (data/sources.py), keeps it in the run directory and checks it against the
-    model; the others wait for its verdict. Collective over the world."""
+    model (and, with `verify`, the shards' sums); the others wait for its verdict. Collective
+    over the world."""
     error = None
     if info.rank == 0:
         try:
@@ -142,7 +144,7 @@ def open_data(cfg: Config, info: DistInfo, fresh: bool) -> tuple[DataSources, li
             error = exc
     comm.raise_if_any_failed(error, "opening the data")
     paths = source_paths(cfg.data)
-    return open_sources(cfg.data, paths, "train", info.rank == 0, cfg.model.vocab_size), paths
+    return open_sources(cfg.data, paths, "train", verify and info.rank == 0, cfg.model.vocab_size), paths
 
 
 def train_step(engine: ZeroEngine, loss_fn: LossFn, batch: Batch, rt: Runtime, *, train: TrainConfig,
@@ -178,10 +180,11 @@ def compile_report(cfg: TrainConfig, first_step: bool, rank: int) -> dict[str, f
     return {"compile_s": compile_s}
 
 
-def build_data(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, start_step: int) -> BatchLoader:
+def build_data(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, start_step: int,
+               verify: bool = True) -> BatchLoader:
     """This rank's loader: every tp rank and pipeline stage of a dp replica reads its batch.
     Collective over the world (the tokenizer's verdict, the per-node reader's start-up)."""
-    data, paths = open_data(cfg, info, fresh=start_step == 0)
+    data, paths = open_data(cfg, info, fresh=start_step == 0, verify=verify)
     if info.rank == 0:
         log_blend(data, paths, data.sampler(cfg.model.seq_len, cfg.global_batch, cfg.data.seed), cfg.train.steps)
     loader = build_loader(cfg.data, data, cfg.model.seq_len, cfg.global_batch, mesh.coords.dp,
@@ -295,7 +298,7 @@ def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks, ke
     faults.install_slowdown(engine.model, start_step, cfg.train.grad_accum)
     guard = (StepGuard(cfg.recovery, keeper, state, engine.model, rt.device, run_dir if info.rank == 0 else None)
              if keeper is not None and cfg.recovery.replay else None)  # after the faults: their hooks first
-    loader = build_data(cfg, info, mesh, rt, start_step)
+    loader = build_data(cfg, info, mesh, rt, start_step, verify=not restore)  # checked by the first generation
     evaluator = build_eval(cfg, info, mesh, rt, engine)
     log_dir, loggers = open_loggers(cfg, info, start_step)
     diag = build_collector(run_dir, info.rank, info.node, rt.device, start_step, rt.peak_tflops,

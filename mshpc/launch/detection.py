@@ -90,9 +90,9 @@ def first_failure(states: dict[int, RankState]) -> tuple[RankState, float] | Non
     return min(causes or failed, key=lambda st: st[1], default=None)
 
 
-def _failure(states: dict[int, RankState], now_wall: float) -> Detection | None:
+def _failure(states: dict[int, RankState], now_wall: float, settle_s: float) -> Detection | None:
     found = first_failure(states)
-    if found is None or now_wall - found[1] < SETTLE_S:
+    if found is None or now_wall - found[1] < settle_s:
         return None
     s, at = found
     if is_echo(s) and now_wall - at < ECHO_WAIT_S and not all(r.ended for r in states.values()):
@@ -146,9 +146,11 @@ def _hang(states: dict[int, RankState], cfg: SupervisorConfig, now: float, start
     return Detection("hang", s.rank, detail, 1, stuck, s.phase, s.step, timeout.seconds, timeout.why)
 
 
-def detect(states: dict[int, RankState], cfg: SupervisorConfig, started_at: float) -> Detection | None:
-    """The failure to act on now, if any (crashes before hangs: a crash makes its peers hang)."""
-    return _failure(states, time.time()) or _hang(states, cfg, time.monotonic(), started_at)
+def detect(states: dict[int, RankState], cfg: SupervisorConfig, started_at: float,
+           settle_s: float = SETTLE_S) -> Detection | None:
+    """The failure to act on now, if any (crashes before hangs: a crash makes its peers hang);
+    a failure is acted on `settle_s` after it, so that what ended with it is taken in too."""
+    return _failure(states, time.time(), settle_s) or _hang(states, cfg, time.monotonic(), started_at)
 
 
 def all_finished(states: dict[int, RankState]) -> bool:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from mshpc.config import ParallelConfig, RecoveryConfig, SupervisorConfig
 from mshpc.errors import USER_ERROR_EXIT
 from mshpc.events import append_event
-from mshpc.launch.detection import Detection, all_finished, detect, stop_request
+from mshpc.launch.detection import SETTLE_S, Detection, all_finished, detect, stop_request
 from mshpc.launch.hang_report import REPORT_FILE, Missing, missing_ranks, where, write_hang_report
 from mshpc.launch.in_place import Generation, Replaceable, carry_out, plan
 from mshpc.launch.monitor import Monitor, RankState
@@ -49,6 +49,10 @@ POLL_S = 0.2
 CHECK_SHARE = 0.1
 DUMP_WAIT_S = 5.0  # how long live ranks get to send their stacks for the hang report
 EXIT_WAIT_S = 60.0  # ranks that all said "ok" get this long to exit before they are stopped
+# A recovery in place replaces every rank that has ended by the time it acts, and one that ends
+# later is another failure, recovered from alike: it needs less of a wait for the rest of an
+# incident to show than a restart, which is decided once (detection.SETTLE_S)
+IN_PLACE_SETTLE_S = 0.2
 LAST_WORDS_WAIT_S = 5.0  # how long rank 0's last message may trail the exit of its process
 # Verdicts that no restart can fix: the run ends with USER_ERROR_EXIT and the failure's line
 NOT_RETRIED: tuple[str, ...] = ("user_error", "environment")
@@ -79,7 +83,7 @@ class Attempt:
     first_step_at: float | None = None  # when a first step finished: training goes on
     generation: int = 0  # recoveries in place within this attempt
     kind: str = "disk"  # how the ranks now training recovered: from disk (or a first start), or in place
-    warm_pending: bool = True  # a standby is to be started once every rank trains (recovery.in_place)
+    warm_pending: bool = False  # a standby is to be started once every rank trains again (recovery.in_place)
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,8 @@ class Supervisor:
         attempt = Attempt(number, list(self.pool.active), time.monotonic())
         self.event("attempt_start", attempt=number, hosts=attempt.hosts)
         ranks = self.start(number, attempt.hosts, env)
+        if self.recovery.in_place and self.recovery.standby and isinstance(ranks, Replaceable):
+            ranks.warm()  # it imports beside the ranks: ready for the first fault, however early
         try:
             code, seen = self._watch(monitor, ranks, attempt, token)
             if seen is None:
@@ -241,7 +247,8 @@ class Supervisor:
                     return code, None
                 continue
             self._warm(monitor.ranks, ranks, attempt)
-            det = detect(monitor.ranks, self.scfg, attempt.started_at)
+            det = detect(monitor.ranks, self.scfg, attempt.started_at,
+                         IN_PLACE_SETTLE_S if self.recovery.in_place else SETTLE_S)
             if det is not None:
                 missing = self._detected(det, monitor, attempt, token)
                 recovered, verdict = self._in_place(det, monitor, ranks, attempt, missing)
@@ -371,7 +378,8 @@ class Supervisor:
                              for r, w in zip(chosen.replaced, warm, strict=True)], ring=chosen.ring)
         log.warning("supervisor: recovering in place: rank(s) %s replaced (%s), generation %d",
                     ", ".join(map(str, chosen.replaced)), "warm standby" if all(warm) else "cold start", gen.number)
-        attempt.resumed_from, attempt.first_step_at, attempt.kind, attempt.warm_pending = None, None, "in_place", True
+        attempt.resumed_from, attempt.first_step_at, attempt.kind = None, None, "in_place"
+        attempt.warm_pending = True  # the next standby, once every rank trains again
         return True, verdict
 
     def _cannot_recover(self, verdict: Verdict, ranks: Ranks) -> str:
