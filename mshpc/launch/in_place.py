@@ -86,22 +86,21 @@ def plan(det: Detection, states: Mapping[int, RankState], missing: list[Missing]
     """Whom to replace, or in words why recovery in place cannot help (then: a restart from disk)."""
     if det.kind not in ("crash", "hang"):
         return None, f"a {det.kind.replace('_', ' ')} is no lost or hung rank"
-    if det.rank is not None and (states[det.rank].outcome or {}).get("error") == SnapshotsUnusable.__name__:
-        return None, det.detail.split(": ", 1)[-1]  # the ranks' own words on what was not whole
+    outcome = states[det.rank].outcome or {} if det.rank is not None else {}
+    if outcome.get("error") == SnapshotsUnusable.__name__:
+        return None, str(outcome["message"])  # the ranks' own words on what was not whole
     replaced = to_replace(det, states, missing)
     if not replaced:
         return None, "a hang with every rank alive: no rank to replace"
-    if len(replaced) == len(states):
-        return None, "every rank was lost"
-    not_started = [r for r, s in states.items() if s.start_step is None and r not in replaced]
-    if not_started or any(states[r].start_step is None for r in replaced):
-        return None, "the failure came during start-up, before the first snapshot"
     hosts = [states[r].host or f"unknown-{r}" for r in range(len(states))]
     ring: Buddies = buddies(hosts, shape)
     for r in replaced:
         keeper = ring.buddy[r]
         if keeper in replaced:
             return None, f"rank {r} and its buddy rank {keeper} were both lost"
+    not_started = [r for r, s in states.items() if s.start_step is None and r not in replaced]
+    if not_started or any(states[r].start_step is None for r in replaced):
+        return None, "the failure came while the ranks were starting (before their first snapshot)"
     survivors = tuple(r for r in range(len(states)) if r not in replaced)
     return Plan(replaced, survivors, {r: ring.buddy[r] for r in replaced}, ring.why), ""
 

@@ -300,7 +300,8 @@ class Supervisor:
                 self.tally.recover_s.append(took)
                 self.tally.kinds.append(attempt.kind)
                 self.event("recovered", attempt=attempt.number, recovery=attempt.kind, generation=attempt.generation,
-                           time_to_recover_s=took, resumed_from=attempt.resumed_from)
+                           time_to_recover_s=took, resumed_from=attempt.resumed_from,
+                           pids=[states[r].pid for r in sorted(states)])
 
     # ---------------------------------------------------------------- a failure
 
@@ -372,10 +373,11 @@ class Supervisor:
         gen = Generation(attempt.generation, self.starts, free_port(), chosen.store_rank)
         nodes = [attempt.hosts[r // per] for r in range(self.world)]
         assert isinstance(ranks, Replaceable)
+        kept = [{"rank": r, "pid": states[r].pid} for r in chosen.survivors]
         warm = carry_out(chosen, gen, monitor, ranks, nodes)
         self.event("recover_in_place", attempt=attempt.number, generation=gen.number, store_rank=gen.store_rank,
                    replaced=[{"rank": r, "node": nodes[r], "buddy": chosen.keepers[r], "standby": w}
-                             for r, w in zip(chosen.replaced, warm, strict=True)], ring=chosen.ring)
+                             for r, w in zip(chosen.replaced, warm, strict=True)], kept=kept, ring=chosen.ring)
         log.warning("supervisor: recovering in place: rank(s) %s replaced (%s), generation %d",
                     ", ".join(map(str, chosen.replaced)), "warm standby" if all(warm) else "cold start", gen.number)
         attempt.resumed_from, attempt.first_step_at, attempt.kind = None, None, "in_place"

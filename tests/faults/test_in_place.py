@@ -1,0 +1,107 @@
+"""Recovery in place (`recovery.*`) through the real launcher, supervisor and ranks: a lost or
+hung rank is replaced inside the running job while the others keep their processes, a suspicious
+step is replayed, a rank that keeps corrupting data has its node evicted; and where the in-memory
+snapshots cannot help (a rank lost with its buddy, a corrupted snapshot), the restart is from disk
+as before. Each run ends bitwise where an undisturbed one does."""
+
+import os
+import random
+
+from support.fault_runs import STEPS, assert_recovered_exactly, events, kinds, one, supervised
+
+IN_PLACE = ["recovery.in_place=true"]
+
+
+def _story(evs: list[dict], *story: str) -> None:
+    seen = iter(kinds(evs))
+    assert all(k in seen for k in story), f"events out of order: {kinds(evs)}"
+
+
+def test_kill_9_of_any_rank_recovers_in_place_with_the_other_ranks_processes(reference, tmp_path, corpus_cache):
+    seed = int.from_bytes(os.urandom(2), "little")
+    draw = random.Random(seed)
+    rank, step = draw.randrange(2), draw.randrange(3, STEPS - 1)
+    # and, before it, a bit flipped in one gradient of the other rank: replayed, not restarted
+    faults = f"grad_flip:rank={1 - rank}:step=1:attempt=0;kill:rank={rank}:step={step}:attempt=0"
+    out = supervised(tmp_path, corpus_cache, "k", *IN_PLACE, "recovery.replay=true", faults=faults)
+    assert out.returncode == 0, f"seed {seed}: rank {rank}, step {step}\n" + out.stderr[-3000:]
+    evs = events(tmp_path / "k")
+    replay = one(evs, "replay")
+    assert (replay["step"], replay["verdict"], replay["ranks"]) == (2, "transient", [1 - rank])
+    assert replay["differed"][f"rank {1 - rank}"].startswith("local gradient sum of squares inf then ")
+    _story(evs, "fault_injected", "replay", "fault_injected", "failure_detected", "classified",
+           "recover_in_place", "snapshot_restore", "resumed", "recovered", "run_end")
+    assert one(evs, "failure_detected")["detail"] == f"rank {rank} was killed by SIGKILL"
+    moved = one(evs, "recover_in_place")
+    assert [r["rank"] for r in moved["replaced"]] == [rank] and moved["store_rank"] == 1 - rank
+    kept = moved["kept"][0]
+    recovered = one(evs, "recovered")
+    assert recovered["recovery"] == "in_place" and recovered["pids"][kept["rank"]] == kept["pid"]  # same process
+    killed = [e for e in evs if e["kind"] == "fault_injected" and e["fault"] == "kill"][0]
+    assert recovered["pids"][rank] != killed["pid"]
+    assert step - 1 <= one(evs, "snapshot_restore")["step"] <= step  # at most one step trained again
+    end = one(evs, "run_end")
+    assert end["recovery_kinds"] == ["in_place"] and kinds(evs).count("attempt_start") == 1
+    assert_recovered_exactly(tmp_path / "k", reference)
+
+
+def test_sigstop_recovers_in_place_after_its_timeout(reference, tmp_path, corpus_cache):
+    out = supervised(tmp_path, corpus_cache, "h", *IN_PLACE, "supervisor.timeout_floor_s=6",
+                     faults="stop:rank=1:step=4:attempt=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    evs = events(tmp_path / "h")
+    _story(evs, "failure_detected", "hang_report", "classified", "recover_in_place", "recovered", "run_end")
+    detected = one(evs, "failure_detected")
+    assert detected["failure"] == "hang" and detected["time_to_detect_s"] >= 6
+    assert [m["rank"] for m in one(evs, "hang_report")["missing"]] == [1]
+    assert [r["rank"] for r in one(evs, "recover_in_place")["replaced"]] == [1]
+    assert "ranks_stopped" not in kinds(evs) and one(evs, "recovered")["recovery"] == "in_place"
+    assert_recovered_exactly(tmp_path / "h", reference)
+
+
+def test_a_rank_and_its_buddy_killed_together_fall_back_to_the_disk_checkpoint(reference, tmp_path, corpus_cache):
+    # two ranks on two nodes keep each other's snapshots, and both go at once
+    faults = "kill:rank=0:step=5:attempt=0;kill:rank=1:step=5:attempt=0"
+    out = supervised(tmp_path, corpus_cache, "b", *IN_PLACE, faults=faults)
+    assert out.returncode == 0, out.stderr[-3000:]
+    evs = events(tmp_path / "b")
+    _story(evs, "failure_detected", "in_place_refused", "ranks_stopped", "restart", "attempt_start", "resumed",
+           "recovered", "run_end")
+    assert one(evs, "in_place_refused")["why"] == "rank 0 and its buddy rank 1 were both lost"
+    restart = one(evs, "restart")
+    assert restart["recovery"] == "disk" and restart["why_not_in_place"] == "rank 0 and its buddy rank 1 were both lost"
+    assert [e["from_step"] for e in evs if e["kind"] == "resumed"] == [0, restart["latest_checkpoint"]]
+    assert one(evs, "run_end")["recovery_kinds"] == ["disk"]
+    assert_recovered_exactly(tmp_path / "b", reference)
+
+
+def test_a_snapshot_corrupted_in_memory_is_found_and_not_used(reference, tmp_path, corpus_cache):
+    # rank 1 is lost; before rank 0 hands it its snapshot, a bit flips in each copy rank 0 keeps
+    faults = "kill:rank=1:step=5:attempt=0;corrupt_snapshot:rank=0:attempt=1"
+    out = supervised(tmp_path, corpus_cache, "c", *IN_PLACE, faults=faults)
+    assert out.returncode == 0, out.stderr[-3000:]
+    evs = events(tmp_path / "c")
+    _story(evs, "recover_in_place", "fault_injected", "failure_detected", "in_place_refused", "restart", "run_end")
+    why = one(evs, "in_place_refused")["why"]
+    assert why.startswith("no in-memory snapshot to recover in place from: no whole snapshot of rank 1 is left")
+    assert "rank 1's step 4: failed its checksum" in why and "rank 1's step 5: " in why  # or cut short by the kill
+    assert "snapshot_restore" not in kinds(evs) and one(evs, "restart")["recovery"] == "disk"
+    assert_recovered_exactly(tmp_path / "c", reference)
+
+
+def test_a_rank_that_keeps_corrupting_data_has_its_node_evicted_and_named(reference, tmp_path, corpus_cache):
+    # every first run of a step on slot1 flips a gradient bit: replays differ there each time
+    out = supervised(tmp_path, corpus_cache, "e", *IN_PLACE, "recovery.replay=true", "train.spare_nodes=1",
+                     faults="grad_flips:node=slot1:step=3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    evs = events(tmp_path / "e")
+    verdicts = [(e["step"], e["verdict"], e["ranks"]) for e in evs if e["kind"] == "replay"]
+    assert verdicts == [(4, "transient", [1]), (5, "persistent", [1])]
+    detected = one(evs, "failure_detected")
+    assert detected["rank"] == 1 and "SilentDataCorruption" in detected["detail"]
+    evicted = one(evs, "evicted")
+    assert (evicted["node"], evicted["replacement"]) == ("slot1", "slot2")
+    assert evicted["reason"].startswith("silent data corruption")
+    assert one(evs, "recover_in_place")["replaced"][0]["node"] == "slot2"
+    assert one(evs, "run_end")["evicted"] == ["slot1"]
+    assert_recovered_exactly(tmp_path / "e", reference)
