@@ -1,4 +1,7 @@
-"""Chaos: one supervised 2-rank run under faults drawn at random, against the same run undisturbed.
+"""Chaos: supervised 2-rank runs under faults drawn at random, against the same run undisturbed:
+today's path (every recovery a restart from the newest checkpoint) and recovery in place
+(`recovery.in_place`: a lost or hung rank replaced inside the running job from in-memory
+snapshots), side by side under the same faults.
 
 The faults (kinds and steps drawn from --seed, which is printed) are those an operator meets:
   kill     kill -9 of a rank                       (the supervisor restarts from a checkpoint)
@@ -9,23 +12,27 @@ The faults (kinds and steps drawn from --seed, which is printed) are those an op
 The driver injects each from outside, as a person would, once training has passed its step, and
 reruns `mshpc train` whenever it exits before the last step (the operator's part).
 
-JSON lines: one per fault (what mshpc did, seconds to detect and to recover), then a summary:
+JSON lines: one per fault and path (what mshpc did, seconds to detect and to recover, for a rank's
+kill its time to that rank's next completed step, steps trained again), then a summary per path:
 parameters and losses bitwise equal to the undisturbed run, `mshpc ckpt verify` on the latest
 checkpoint, processes left behind, each recovery against 2x a fresh start-up of the same run,
-and the effective training time ratio of both runs.
+the effective training time ratio; and the paths compared: kill -9 to the next completed step and
+effective time, recovery in place over the restart.
 
-    .venv/bin/python benchmarks/chaos.py [--steps 200] [--faults 10] [--seed S]
+    .venv/bin/python benchmarks/chaos.py [--steps 200] [--faults 10] [--seed S] [--paths disk,in_place]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +59,7 @@ SUPERVISED = ["checkpoint.interval_steps=10", "checkpoint.keep=3", "supervisor.h
               "supervisor.timeout_floor_s=10", "supervisor.checkpoint_timeout_s=30", "supervisor.stop_grace_s=2",
               "supervisor.max_restarts=20", "supervisor.evict_after=100"]
 KINDS = ("kill", "stop", "sigterm", "flip", "enospc")
+PATHS = {"disk": [], "in_place": ["recovery.in_place=true"]}  # what each path adds to SUPERVISED
 POLL_S = 0.05
 FULL_DISK_S = 5.0  # how long the run directory stays full: long enough that a write falls in it
 WAIT_S = 300.0  # the most any one wait may take before the benchmark calls the run stuck
@@ -62,12 +70,15 @@ MAX_RERUNS = 20
 class Fault:
     kind: str
     step: int
+    rank: int  # drawn with the fault, so each path gets the same: the rank a kill, stop or flip hits
+    flip_seed: int  # which byte of which tensor a flip changes
     injected_at: float = 0.0
-    rank: int | None = None
     detected_at: float | None = None
     how: str = ""  # what mshpc did, in a few words
     detect_s: float | None = None
     recover_s: float | None = None
+    to_next_step_s: float | None = None  # kill, flip: from the kill to that rank's next completed step
+    retrained: int | None = None  # steps trained again after it
 
 
 @dataclass
@@ -85,6 +96,7 @@ class ChaosRun:
     cache: Path
     name: str
     steps: int
+    sets: list[str] = field(default_factory=list)  # the path's own settings
     launches: list[Launch] = field(default_factory=list)
 
     @property
@@ -96,8 +108,8 @@ class ChaosRun:
         return self.launches[-1]
 
     def launch(self) -> None:
-        sets = [*SMALL, *SUPERVISED, f"train.steps={self.steps}", f"run.out_dir={self.out}", f"run.name={self.name}",
-                f"data.cache_dir={self.cache}"]
+        sets = [*SMALL, *SUPERVISED, *self.sets, f"train.steps={self.steps}", f"run.out_dir={self.out}",
+                f"run.name={self.name}", f"data.cache_dir={self.cache}"]
         argv = [sys.executable, "-m", "mshpc", "train", str(REPO / "configs/tiny.yaml"),
                 *[a for s in sets for a in ("--set", s)], "--nproc", "2"]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MSHPC_"))}
@@ -133,9 +145,21 @@ class ChaosRun:
                 step = number
         return step
 
-    def rank_pids(self) -> list[int]:
-        """The supervisor's children: the ranks of the attempt now running."""
-        return children(self.current.proc.pid)
+    def rank_pids(self) -> dict[int, int]:
+        """The ranks of the attempt now running, by rank: the supervisor's children that a rank's
+        variables name, and, after a recovery in place, the processes its `recovered` event names
+        (a standby became a rank after its start); empty while a recovery in place is under way."""
+        pids = {}
+        for pid in children(self.current.proc.pid):
+            rank = rank_of(pid)
+            if rank is not None:
+                pids[rank] = pid
+        since = [e for e in self.events() if e["time"] >= self.current.at and e["kind"] in ("recover_in_place", "recovered")]
+        if since and since[-1]["kind"] == "recover_in_place":
+            return {}
+        if since:
+            pids.update(enumerate(since[-1]["pids"]))
+        return pids
 
     def events(self) -> list[dict]:
         path = self.run_dir / "events.jsonl"
@@ -160,6 +184,15 @@ class ChaosRun:
         return out
 
 
+def rank_of(pid: int) -> int | None:
+    """The RANK a process was started with (a standby has none until it takes one)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+
+
 def processes_mentioning(text: str) -> list[int]:
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
@@ -182,9 +215,10 @@ def wait_for(check, what: str, timeout_s: float = WAIT_S) -> None:
 # ---------------------------------------------------------------- the faults
 
 
-def flip_byte(ckpt_root: Path, rng: random.Random) -> str:
+def flip_byte(ckpt_root: Path, seed: int) -> str:
     """Flip one byte inside a tensor of the newest checkpoint (a master or a model tensor); returns
     which."""
+    rng = random.Random(seed)
     shards = sorted((ckpt_root / "latest").glob("shard-*.h5"))
     shard = rng.choice(shards)
     with h5py.File(shard, "r") as f:
@@ -217,14 +251,13 @@ def fill_disk(where: Path) -> Path:
     return filler
 
 
-def inject(run: ChaosRun, fault: Fault, rng: random.Random) -> None:
+def inject(run: ChaosRun, fault: Fault) -> None:
     fault.injected_at = time.time()
     if fault.kind in ("kill", "stop", "flip"):
-        pids = sorted(run.rank_pids())
-        fault.rank = rng.randrange(len(pids))
+        pid = run.rank_pids()[fault.rank]
         if fault.kind == "flip":
-            fault.how = f"flipped {flip_byte(run.run_dir / 'checkpoints', rng)}; "
-        os.kill(pids[fault.rank], signal.SIGSTOP if fault.kind == "stop" else signal.SIGKILL)
+            fault.how = f"flipped {flip_byte(run.run_dir / 'checkpoints', fault.flip_seed)}; "
+        os.kill(pid, signal.SIGSTOP if fault.kind == "stop" else signal.SIGKILL)
     elif fault.kind == "sigterm":
         run.current.proc.send_signal(signal.SIGTERM)
     elif fault.kind == "enospc":
@@ -266,20 +299,31 @@ def observe(run: ChaosRun, fault: Fault) -> None:
         fault.how += "no write fell in the full moment: nothing to detect"
 
 
-def recovered_at(run: ChaosRun, after: float) -> float | None:
-    """The first step trained after a (re)start that came after `after`: rank 0's timings."""
+def recovered_at(run: ChaosRun, after: float, rank: int = 0) -> float | None:
+    """The first step trained after a (re)start that came after `after`: the rank's timings."""
     restarted = False
-    for kind, at, _ in run.timings():
+    for kind, at, _ in run.timings(rank):
         restarted = restarted or (kind == "header" and at > after)
         if restarted and kind == "step":
             return at
     return None
 
 
+def retrained(run: ChaosRun, fault: Fault) -> int | None:
+    """Steps trained again after a rank's fault: from the step it struck to where training
+    resumed (the supervisor's `failure_detected` and the next `resumed`)."""
+    evs = [e for e in run.events() if e["time"] >= fault.injected_at]
+    detected = next((e for e in evs if e["kind"] == "failure_detected"), None)
+    resumed = next((e for e in evs if e["kind"] == "resumed" and detected and e["time"] >= detected["time"]), None)
+    if detected is None or resumed is None:
+        return None
+    return max(0, detected["step"] - 1 - resumed["from_step"])  # its step was in progress, not done
+
+
 # ---------------------------------------------------------------- the run
 
 
-def drive(run: ChaosRun, faults: list[Fault], rng: random.Random) -> None:
+def drive(run: ChaosRun, faults: list[Fault]) -> None:
     run.launch()
     pending = list(faults)
     while True:
@@ -289,9 +333,9 @@ def drive(run: ChaosRun, faults: list[Fault], rng: random.Random) -> None:
             if len(run.launches) > MAX_RERUNS:
                 raise SystemExit(f"chaos: gave up after {MAX_RERUNS} reruns; see {run.out.parent}/*.log")
             run.launch()  # the operator's rerun: resume from the latest good checkpoint
-        if pending and run.attempt_step() >= pending[0].step and run.rank_pids():
+        if pending and run.attempt_step() >= pending[0].step and len(run.rank_pids()) == 2:
             fault = pending.pop(0)
-            inject(run, fault, rng)
+            inject(run, fault)
             observe(run, fault)
         time.sleep(POLL_S)
 
@@ -322,7 +366,10 @@ def emit(**fields: object) -> None:
 
 def draw(rng: random.Random, n: int, steps: int, kinds: tuple[str, ...]) -> list[Fault]:
     at = sorted(rng.sample(range(10, steps - 10), n))
-    return [Fault(rng.choice(kinds), step) for step in at]
+    faults = [Fault(rng.choice(kinds), step, 0, 0) for step in at]  # the draws of every earlier version
+    for fault in faults:  # then what each fault hits, the same on every path
+        fault.rank, fault.flip_seed = rng.randrange(2), rng.randrange(2**31)
+    return faults
 
 
 def mount_tmpfs(path: Path) -> str | None:
@@ -350,37 +397,46 @@ def main() -> None:
     p.add_argument("--faults", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="default: drawn, and printed")
     p.add_argument("--kinds", default=",".join(KINDS), help="which faults to draw from")
+    p.add_argument("--paths", default=",".join(PATHS), help="which recovery paths to run, side by side")
     p.add_argument("--keep", type=Path, default=None, help="work in this new folder and keep it (logs, runs)")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    rng = random.Random(seed)
+    paths = args.paths.split(",")
+    if not paths or not set(paths) <= set(PATHS):
+        raise SystemExit(f"chaos: --paths {args.paths!r}: choose from {', '.join(PATHS)}")
     with workdir(args.keep) as tmp:
-        cache, chaos_out = Path(tmp, "cache"), Path(tmp, "chaos")
-        no_full_disk = mount_tmpfs(chaos_out)
+        cache = Path(tmp, "cache")
+        outs = {path: Path(tmp, f"chaos-{path}") for path in paths}
+        no_full_disk = next((why for why in map(mount_tmpfs, outs.values()) if why), None)
         kinds = tuple(k for k in args.kinds.split(",") if not (k == "enospc" and no_full_disk))
         if not set(kinds) <= set(KINDS) or not kinds:
             raise SystemExit(f"chaos: --kinds {args.kinds!r}: choose from {', '.join(KINDS)}")
-        faults = draw(rng, args.faults, args.steps, kinds)
-        emit(seed=seed, steps=args.steps, faults=[(f.kind, f.step) for f in faults], kinds=kinds,
+        drawn = draw(random.Random(seed), args.faults, args.steps, kinds)
+        emit(seed=seed, steps=args.steps, faults=[(f.kind, f.step) for f in drawn], kinds=kinds, paths=paths,
              enospc_left_out=no_full_disk, load_avg=harness.load_average())
         try:
             reference = ChaosRun(Path(tmp, "ref"), cache, "ref", args.steps)
-            drive(reference, [], rng)
+            drive(reference, [])
             ref_end = time.time()
-            chaos = ChaosRun(chaos_out, cache, "chaos", args.steps)
-            drive(chaos, faults, rng)
-            chaos_end = time.time()
-            report(reference, ref_end, chaos, chaos_end, faults)
+            summaries = {}
+            for path in paths:
+                faults = [dataclasses.replace(f) for f in drawn]
+                chaos = ChaosRun(outs[path], cache, "chaos", args.steps, PATHS[path])
+                drive(chaos, faults)
+                summaries[path] = report(reference, ref_end, chaos, time.time(), faults, path)
+            compare(summaries)
         finally:
             for pid in processes_mentioning(tmp):
                 os.kill(pid, signal.SIGKILL)
             if not no_full_disk:
-                if args.keep:  # the tmpfs goes: keep a copy of what the run wrote there
-                    shutil.copytree(chaos_out, Path(tmp, "chaos-run"), symlinks=True, dirs_exist_ok=True)
-                subprocess.run(["umount", "-l", str(chaos_out)], check=False)
+                for path, out in outs.items():
+                    if args.keep:  # the tmpfs goes: keep a copy of what the run wrote there
+                        shutil.copytree(out, Path(tmp, f"chaos-{path}-run"), symlinks=True, dirs_exist_ok=True)
+                    subprocess.run(["umount", "-l", str(out)], check=False)
 
 
-def report(reference: ChaosRun, ref_end: float, chaos: ChaosRun, chaos_end: float, faults: list[Fault]) -> None:
+def report(reference: ChaosRun, ref_end: float, chaos: ChaosRun, chaos_end: float, faults: list[Fault],
+           path: str) -> dict:
     time.sleep(3.0)  # what a stopped run leaves must be gone by now
     left = processes_mentioning(str(chaos.out))
     fresh = startup_s(reference)
@@ -389,20 +445,46 @@ def report(reference: ChaosRun, ref_end: float, chaos: ChaosRun, chaos_end: floa
             fault.detect_s = fault.detected_at - fault.injected_at
             back = recovered_at(chaos, fault.detected_at)
             fault.recover_s = None if back is None else back - fault.detected_at
-        emit(fault={k: v for k, v in asdict(fault).items() if k not in ("injected_at", "detected_at")},
+        if fault.kind in ("kill", "flip", "stop"):
+            fault.retrained = retrained(chaos, fault)
+        if fault.kind in ("kill", "flip"):
+            back = recovered_at(chaos, fault.injected_at, fault.rank)
+            fault.to_next_step_s = None if back is None else back - fault.injected_at
+        emit(path=path, fault={k: v for k, v in asdict(fault).items() if k not in ("injected_at", "detected_at", "flip_seed")},
              within_2x_fresh_startup=None if fault.recover_s is None else fault.recover_s <= 2 * fresh)
     want, got = final_state(reference), final_state(chaos)
     bitwise = want[0].keys() == got[0].keys() and all(np.array_equal(want[0][k], got[0][k]) for k in want[0])
     verify = subprocess.run([sys.executable, "-m", "mshpc", "ckpt", "verify",
                              str(chaos.run_dir / "checkpoints" / "latest")], capture_output=True, text=True, cwd=REPO)
     recoveries = [f.recover_s for f in faults if f.recover_s is not None]
-    emit(metric="summary", final_step=chaos.last_step(), bitwise_equal_params=bitwise,
+    kills = [f.to_next_step_s for f in faults if f.to_next_step_s is not None]
+    again = [f.retrained for f in faults if f.retrained is not None]
+    summary = {"effective_time_ratio": effective_ratio(chaos, chaos_end), "kill_to_next_step_s": kills,
+               "retrained": again}
+    emit(path=path, metric="summary", final_step=chaos.last_step(), bitwise_equal_params=bitwise,
          bitwise_equal_losses=want[1] == got[1], ckpt_verify_clean=verify.returncode == 0,
          processes_left=len(left), launches=len(chaos.launches), fresh_startup_s=round(fresh, 2),
          max_recover_s=round(max(recoveries), 2) if recoveries else None,
          all_within_2x_fresh_startup=all(r <= 2 * fresh for r in recoveries),
-         effective_time_ratio=round(effective_ratio(chaos, chaos_end), 4),
-         effective_time_ratio_undisturbed=round(effective_ratio(reference, ref_end), 4))
+         effective_time_ratio=round(summary["effective_time_ratio"], 4),
+         effective_time_ratio_undisturbed=round(effective_ratio(reference, ref_end), 4),
+         kill_to_next_step_s=[round(k, 2) for k in kills], max_steps_retrained_per_rank_fault=max(again, default=None))
+    return summary
+
+
+def compare(summaries: dict[str, dict]) -> None:
+    """Recovery in place against today's restart, under the same faults: ratio = in place / disk."""
+    if set(summaries) != set(PATHS):
+        return
+    ours, base = summaries["in_place"], summaries["disk"]
+    if ours["kill_to_next_step_s"] and base["kill_to_next_step_s"]:
+        value, baseline = statistics.median(ours["kill_to_next_step_s"]), statistics.median(base["kill_to_next_step_s"])
+        emit(metric="kill_to_next_step_in_place_vs_disk_restart", value=round(value, 3), unit="s",
+             baseline=round(baseline, 3), ratio=round(value / baseline, 3),
+             worst_in_place_s=round(max(ours["kill_to_next_step_s"]), 3))
+    emit(metric="effective_time_in_place_vs_disk_restart", value=round(ours["effective_time_ratio"], 4), unit="ratio",
+         baseline=round(base["effective_time_ratio"], 4),
+         ratio=round(ours["effective_time_ratio"] / base["effective_time_ratio"], 3))
 
 
 if __name__ == "__main__":

@@ -394,7 +394,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set)
     dev = device_spec(args.gpu, args.intra_bw, args.inter_bw, args.efficiency)
-    predictions = plan(args.gpus, dev, args.gpus_per_node, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train)
+    predictions = plan(args.gpus, dev, args.gpus_per_node, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train,
+                       recovery=cfg.recovery)
     if args.json:
         print(format_json(predictions))
     else:

@@ -7,6 +7,9 @@ NVLink4, ~360 GB/s), and one InfiniBand NIC per GPU across nodes (A100 systems: 
 H100/H200 systems: NDR 400 Gb/s; ~90% of line rate). `gemm_efficiency` is the fraction of the
 peak that large bf16 GEMMs reach (cuBLAS on A100 ~0.80, on H100 ~0.72), which the planner uses
 for all model FLOPs: preflight's GEMM test measures it on a real node (`--efficiency`).
+`d2h_gbps` is a pinned device-to-host copy over the GPU's PCIe link, about 80% of its line rate
+(A100: PCIe 4.0 x16, 32 GB/s a direction; H100/H200 SXM: PCIe 5.0 x16, 64 GB/s): what an
+in-memory snapshot (mshpc/plan/snapshots.py) is copied off the device at.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ class DeviceSpec:
     inter_gbps: float  # NCCL busbw across nodes per GPU, GB/s
     gemm_efficiency: float
     act_bytes: int = 2  # bytes per activation element in the training dtype (bf16)
+    d2h_gbps: float = 25.0  # pinned device-to-host copies, GB/s
 
 
 DEVICES: dict[str, DeviceSpec] = {
-    "a100": DeviceSpec("A100", PEAK_TFLOPS[("A100", "bf16")], 80.0, 2039.0, 230.0, 22.5, 0.80),
-    "h100": DeviceSpec("H100", PEAK_TFLOPS[("H100", "bf16")], 80.0, 3350.0, 360.0, 45.0, 0.72),
-    "h200": DeviceSpec("H200", PEAK_TFLOPS[("H200", "bf16")], 141.0, 4800.0, 360.0, 45.0, 0.72),
+    "a100": DeviceSpec("A100", PEAK_TFLOPS[("A100", "bf16")], 80.0, 2039.0, 230.0, 22.5, 0.80, d2h_gbps=25.0),
+    "h100": DeviceSpec("H100", PEAK_TFLOPS[("H100", "bf16")], 80.0, 3350.0, 360.0, 45.0, 0.72, d2h_gbps=50.0),
+    "h200": DeviceSpec("H200", PEAK_TFLOPS[("H200", "bf16")], 141.0, 4800.0, 360.0, 45.0, 0.72, d2h_gbps=50.0),
 }
 
 

@@ -6,12 +6,13 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mshpc.config import ModelConfig, ParallelConfig, TrainConfig, global_batch
+from mshpc.config import ModelConfig, ParallelConfig, RecoveryConfig, TrainConfig, global_batch
 from mshpc.diagnose.mfu import flops_per_token
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout, enumerate_layouts, layout_of
 from mshpc.plan.memory import GIB, Memory, memory
 from mshpc.plan.moe_plan import model_params
+from mshpc.plan.snapshots import SnapshotCost, snapshot_cost
 from mshpc.plan.steptime import StepTime, dp_bytes, step_time
 
 
@@ -22,6 +23,7 @@ class Prediction:
     time: StepTime
     fits: bool
     dp_bytes: float  # what the dp group's collectives carry per step (steptime.dp_bytes)
+    snapshots: SnapshotCost  # recovery in place's in-memory snapshots, per rank
 
     def to_json(self) -> dict[str, Any]:
         mem = {k: v / GIB for k, v in asdict(self.memory).items() if k != "stage"}
@@ -31,34 +33,39 @@ class Prediction:
             "step_time_s": self.time.total_s, "mfu": self.time.mfu, "dp_bytes_per_step": self.dp_bytes,
             "bubble_fraction": self.time.bubble_fraction,
             "time_breakdown_s": {k: v for k, v in asdict(self.time).items() if k != "mfu"},
+            "snapshots": self.snapshots.to_json(GIB),
         }
 
 
 def predict(layout: Layout, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig,
-            parallel: ParallelConfig) -> Prediction:
+            parallel: ParallelConfig, recovery: RecoveryConfig = RecoveryConfig()) -> Prediction:
     """Memory and step time of `model_cfg` trained with `layout`; `parallel` gives the overlap
-    settings, the pipeline schedule and stage 3's knobs (its dp, tp, pp and stage are the layout's)."""
+    settings, the pipeline schedule and stage 3's knobs (its dp, tp, pp and stage are the layout's);
+    `recovery` how often an in-memory snapshot is taken."""
     mem = memory(model_cfg, layout, schedule=parallel.pp_schedule, act_bytes=dev.act_bytes,
                  blocks_per_unit=parallel.zero3_blocks_per_unit, reshard=parallel.reshard_after_forward)
     time = step_time(layout, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel)
+    snapshots = snapshot_cost(model_cfg, layout, dev, time.total_s, recovery.snapshot_interval_steps)
     return Prediction(layout, mem, time, mem.total <= dev.memory_gib * GIB,
-                      dp_bytes(layout, model_cfg=model_cfg, parallel=parallel))
+                      dp_bytes(layout, model_cfg=model_cfg, parallel=parallel), snapshots)
 
 
 def plan(gpus: int, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig, parallel: ParallelConfig,
-         train: TrainConfig) -> list[Prediction]:
+         train: TrainConfig, recovery: RecoveryConfig = RecoveryConfig()) -> list[Prediction]:
     """Every valid layout at the config's global batch, those that fit first, each group fastest first."""
     layouts = enumerate_layouts(gpus, gpus_per_node, model_cfg=model_cfg, global_batch=global_batch(train, parallel))
-    predictions = [predict(lay, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel) for lay in layouts]
+    predictions = [predict(lay, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel, recovery=recovery)
+                   for lay in layouts]
     return sorted(predictions, key=lambda p: (not p.fits, p.time.total_s))
 
 
 def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> str:
-    """The `top` predictions as a table; an ep column where some layout has expert parallelism."""
+    """The `top` predictions as a table; an ep column where some layout has expert parallelism;
+    each layout's snapshot size and its traffic's share of the step (recovery in place)."""
     experts = any(p.layout.ep > 1 for p in predictions)
     ep_head = f"{'ep':>4} " if experts else ""
     head = f"{'dp':>5} {'tp':>3} {'pp':>3} {ep_head}{'v':>3} {'mb':>3} {'m':>5} {'recompute':>9} {'zero':>4} " \
-           f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'MFU':>6} {'bubble':>6}"
+           f"{'GiB/GPU':>8} {'fits':>4} {'step s':>8} {'MFU':>6} {'bubble':>6} {'snap GiB':>8} {'snap':>6}"
     lines = [head]
     for p in predictions[:top]:
         lay = p.layout
@@ -67,11 +74,13 @@ def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> st
             f"{lay.dp:>5} {lay.tp:>3} {lay.pp:>3} {ep}{lay.virtual_stages:>3} {lay.micro_batch:>3} "
             f"{lay.n_micro:>5} {lay.checkpointing:>9} {lay.zero_stage:>4} {p.memory.total / GIB:>8.1f} "
             f"{'yes' if p.fits else 'no':>4} {p.time.total_s:>8.3f} {p.time.mfu:>6.1%} "
-            f"{p.time.bubble_fraction:>6.1%}"
+            f"{p.time.bubble_fraction:>6.1%} {p.snapshots.snapshot_bytes / GIB:>8.2f} "
+            f"{p.snapshots.step_fraction:>6.2%}"
         )
     fitting = sum(p.fits for p in predictions)
     lines.append(f"{len(predictions)} layouts, {fitting} fit in {dev.memory_gib:g} GiB ({dev.name}); "
-                 f"showing {min(top, len(predictions))}")
+                 f"showing {min(top, len(predictions))}; snap: one rank's in-memory snapshot (recovery.in_place; "
+                 f"its host keeps 4 of them) and its copy and send as a share of the step")
     return "\n".join(lines)
 
 
