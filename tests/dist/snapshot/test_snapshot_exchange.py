@@ -16,6 +16,9 @@ from mshpc.model.gpt import GPT, loss_fn
 from mshpc.optim.schedule import build_scheduler
 from mshpc.parallel import comm
 from mshpc.parallel.zero_build import build_zero_engine
+from mshpc.plan.devices import DEVICES
+from mshpc.plan.layout import Layout
+from mshpc.plan.snapshots import snapshot_cost
 from mshpc.snapshot.exchange import SendExchange, SharedExchange, build_exchange
 from mshpc.snapshot.placement import buddies
 from mshpc.snapshot.restore import Held, restore_in_place
@@ -78,6 +81,7 @@ def cases(rank: int, world: int) -> dict:
 def one_way(rank: int, shared: bool) -> dict:
     state = _state(seed=0)
     store = _store(state, dist.new_group(backend="gloo"), shared)
+    slot_bytes = store.layout.nbytes
     _train(state, store, range(3), rank)  # snapshots of steps 1, 2 and 3
     undisturbed = [_step(state, step, rank) for step in (3, 4)]  # no snapshots: 3 stays the newest
     if rank == 1:  # the replacement's state is wrong everywhere: it must come from its buddy
@@ -92,7 +96,8 @@ def one_way(rank: int, shared: bool) -> dict:
         newest.buffer[newest.layout.nbytes - 100] ^= 0x01
     corrupted = _restore(state, store, {1}, rank)
     both = _restore(state, store, {0, 1}, rank)
-    return {"kind": type(store.exchange).__name__, "step": restored.step, "fetched_from": restored.fetched_from,
+    return {"kind": type(store.exchange).__name__, "slot_bytes": slot_bytes,
+            "step": restored.step, "fetched_from": restored.fetched_from,
             "bitwise": again == undisturbed, "corrupted_step": corrupted.step,
             "corrupted_problems": list(corrupted.problems), "both_lost": both}
 
@@ -108,6 +113,15 @@ def test_snapshots_restore_in_place_from_the_buddy(results, way, kind):
     assert [r["kind"] for r in got] == [kind.__name__] * 2
     assert [r["step"] for r in got] == [3] * 2 and [r["fetched_from"] for r in got] == [None, 0]
     assert all(r["bitwise"] for r in got)  # the losses of the steps after it, as undisturbed
+
+
+def test_mshpc_plan_counts_the_bytes_a_snapshot_takes(results):
+    # the plan's snapshot: 12 bytes per parameter over dp; the slot adds its header, the extras'
+    # room, the generators and each tensor's alignment
+    layout = Layout(dp=2, tp=1, pp=1, virtual_stages=1, micro_batch=2, n_micro=1, checkpointing="none")
+    planned = snapshot_cost(TINY, layout, DEVICES["h100"], step_s=1.0, interval_steps=1).snapshot_bytes
+    for r in results:
+        assert planned <= r["shared"]["slot_bytes"] <= planned + 128 * 1024
 
 
 @pytest.mark.parametrize("way", ["shared", "send"])
