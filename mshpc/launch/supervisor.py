@@ -83,7 +83,8 @@ class Attempt:
     first_step_at: float | None = None  # when a first step finished: training goes on
     generation: int = 0  # recoveries in place within this attempt
     kind: str = "disk"  # how the ranks now training recovered: from disk (or a first start), or in place
-    warm_pending: bool = False  # a standby is to be started once every rank trains again (recovery.in_place)
+    warm_pending: bool = False  # a generation started in place: once every rank trains, a standby
+    rejoined_at: float = 0.0  # monotonic, when the ranks were told to rejoin
 
 
 @dataclass(frozen=True)
@@ -340,10 +341,13 @@ class Supervisor:
     # ---------------------------------------------------------------- recovery in place
 
     def _warm(self, states: dict[int, RankState], ranks: Ranks, attempt: Attempt) -> None:
-        """Once every rank trains (its start-up is not to be slowed), a standby starts importing."""
-        if attempt.warm_pending and self.recovery.in_place and self.recovery.standby and isinstance(ranks, Replaceable):
-            if all(s.start_step is not None for s in states.values()):
-                attempt.warm_pending = False
+        """Once every rank of a new generation trains, say so, and (its start-up is not to be
+        slowed) have the next standby start importing."""
+        if attempt.warm_pending and all(s.start_step is not None for s in states.values()):
+            attempt.warm_pending = False
+            self.event("generation_ready", attempt=attempt.number, generation=attempt.generation,
+                       ready_s=time.monotonic() - attempt.rejoined_at)
+            if self.recovery.standby and isinstance(ranks, Replaceable):
                 ranks.warm()
 
     def _in_place(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt,
@@ -381,7 +385,7 @@ class Supervisor:
         log.warning("supervisor: recovering in place: rank(s) %s replaced (%s), generation %d",
                     ", ".join(map(str, chosen.replaced)), "warm standby" if all(warm) else "cold start", gen.number)
         attempt.resumed_from, attempt.first_step_at, attempt.kind = None, None, "in_place"
-        attempt.warm_pending = True  # the next standby, once every rank trains again
+        attempt.warm_pending, attempt.rejoined_at = True, time.monotonic()
         return True, verdict
 
     def _cannot_recover(self, verdict: Verdict, ranks: Ranks) -> str:

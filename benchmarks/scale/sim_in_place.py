@@ -1,0 +1,207 @@
+"""mshpc's real supervisor recovering in place among N simulated ranks (issue #38, part 4).
+
+The supervisor is mshpc's own, with `recovery.in_place: true`: its monitor, detection, the
+in-place decision (whom to replace, each one's buddy in a ring over nodes among the ranks of the
+same tp coordinate, tp = 8 a node), the new generation's rendezvous told to every surviving rank
+and the replacement started, and its events. What would run on the nodes is simulated, as in
+sim_nodes.py: one coroutine per node of 8 ranks speaks the node-level heartbeat protocol (hello,
+"started", one beats batch a second). At the fault one rank ends (its node says "closed"); a
+simulated node answers each rank's rejoin message as a rank does once it has restored its
+snapshot (a new "started"), and the node the supervisor names brings the replacement up (its
+hello, then "started"). The ranks' own work in a generation (init_process_group on the survivor's
+store, the groups, the restore) is measured with real ranks by tests/faults/test_in_place.py and
+benchmarks/chaos.py; its store traffic at scale by rendezvous_scale.py.
+
+    .venv/bin/python benchmarks/scale/sim_in_place.py [--n 16 64 512 2048 4096 12288]
+
+One JSON line per figure and N: the decision (the failure's detection to the ranks being told),
+the generation (told to every rank having said "started" again), and the whole recovery seen by
+the supervisor (detection to rank 0's first step); the checks say who was replaced and whose
+snapshot it takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from mshpc.config import Config, ParallelConfig, RecoveryConfig, RunConfig, SupervisorConfig
+from mshpc.events import EVENTS_FILE
+from mshpc.launch.monitor import RankState
+from mshpc.launch.node_relay import closed_message, line, node_hello, rank_envelope
+from mshpc.launch.recovery import NodePool
+from mshpc.launch.supervisor import Supervisor
+
+NODE_SIZE = 8
+INTERVAL_S, STEP_S = 1.0, 0.5  # the beat; a simulated step
+FAULT_AT_S = 15.0  # after the nodes start: every one connected and beating (12,288 ranks take seconds)
+FINISH_AFTER_S = 10.0  # the ranks exit "ok" this long after the recovery, and the run ends
+
+
+class Node:
+    """One node's relay and its ranks; `lost` is the rank that ends at the fault."""
+
+    def __init__(self, host: str, ranks: list[int], lost: int) -> None:
+        self.host, self.ranks, self.lost = host, ranks, lost
+        self.started: dict[int, int] = {}  # rank -> the step it (re)started from
+        self.writer: asyncio.StreamWriter | None = None
+        self.t0 = time.monotonic()
+
+    def step(self) -> int:
+        return int((time.monotonic() - self.t0) / STEP_S)
+
+    def send(self, messages: list[dict[str, Any]]) -> None:
+        assert self.writer is not None
+        self.writer.write(b"".join(line(m) for m in messages))
+
+    def say_started(self, rank: int, hello: bool = False) -> None:
+        step = self.step()
+        self.started[rank] = step
+        first = [rank_envelope(rank, {"type": "hello", "token": TOKEN[0], "rank": rank, "host": self.host,
+                                      "pid": None, "coords": None})] if hello else []
+        self.send([*first, rank_envelope(rank, {"type": "started", "start_step": step})])
+
+    def beats(self) -> dict[str, Any]:
+        step = self.step()
+        entries = [{"phase": "step", "step": step, "phase_s": 0.1, "medians": {"step": STEP_S}, "counts": {},
+                    "last": None, "rank": r, "age_s": 0.0} for r in self.started]
+        return {"type": "beats", "beats": entries}
+
+
+TOKEN = [""]
+
+
+async def run_node(address: tuple[str, int], node: Node, done: asyncio.Event) -> None:
+    reader, node.writer = await asyncio.open_connection(*address)
+    node.send([node_hello(TOKEN[0], node.host, os.getpid())])
+    for r in node.ranks:
+        node.say_started(r, hello=True)
+    listen = asyncio.ensure_future(answer(reader, node))
+    fired = False
+    while not done.is_set():
+        if not fired and node.lost in node.started and time.monotonic() - node.t0 > FAULT_AT_S:
+            fired = True
+            del node.started[node.lost]
+            node.send([closed_message(node.lost, time.time())])
+        node.send([node.beats()])
+        await asyncio.sleep(INTERVAL_S)
+    node.send([rank_envelope(r, {"type": "exit", "how": "ok", "code": None, "start_step": 0}) for r in node.started])
+    await node.writer.drain()
+    listen.cancel()
+    node.writer.transport.abort()
+
+
+async def answer(reader: asyncio.StreamReader, node: Node) -> None:
+    """A rank told to rejoin restores and says "started" again, as the train loop does."""
+    while raw := await reader.readline():
+        message = json.loads(raw)
+        if message.get("type") == "rejoin" and message["rank"] in node.started:
+            node.say_started(message["rank"])
+
+
+class SimNodes:
+    """The attempt's nodes in a thread of this process: the supervisor's `Ranks` and `Replaceable`."""
+
+    def __init__(self, hosts: list[str], env: dict[str, str], lost: int) -> None:
+        host, port = env["MSHPC_SUPERVISOR"].rsplit(":", 1)
+        TOKEN[0] = env["MSHPC_SUPERVISOR_TOKEN"]
+        self.nodes = {h: Node(h, list(range(i * NODE_SIZE, (i + 1) * NODE_SIZE)), lost) for i, h in enumerate(hosts)}
+        self.loop = asyncio.new_event_loop()
+        self.done = asyncio.Event()
+        address = (host, int(port))
+
+        async def nodes() -> None:
+            await asyncio.gather(*(run_node(address, n, self.done) for n in self.nodes.values()))
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(nodes(),), daemon=True)
+        self.thread.start()
+
+    def update(self, states: dict[int, RankState]) -> None:
+        if not self.thread.is_alive():
+            for s in states.values():
+                s.exited_at = s.exited_at or time.time()
+
+    def request_stop(self) -> None:
+        self.stop(0.0)
+
+    def stop(self, grace_s: float) -> list[int]:
+        self.loop.call_soon_threadsafe(self.done.set)
+        self.thread.join(30)
+        return []
+
+    def kill(self, rank: int) -> None:
+        pass  # its node already said it ended
+
+    def replace(self, rank: int, env: dict[str, str]) -> bool:
+        node = self.nodes[env["MSHPC_NODE"]]
+
+        def up() -> None:
+            node.ranks.append(rank)
+            node.say_started(rank, hello=True)
+            self.loop.call_later(FINISH_AFTER_S, self.done.set)  # then every rank finishes
+        self.loop.call_soon_threadsafe(up)
+        return True
+
+    def warm(self) -> None:
+        pass
+
+
+def supervise(world: int, run_dir: Path, lost: int) -> list[dict[str, Any]]:
+    nodes = world // NODE_SIZE
+    cfg = Config(run=RunConfig(name=run_dir.name, out_dir=str(run_dir.parent)),
+                 parallel=ParallelConfig(dp=world // NODE_SIZE, tp=NODE_SIZE),
+                 recovery=RecoveryConfig(in_place=True),
+                 supervisor=SupervisorConfig(heartbeat_interval_s=INTERVAL_S, timeout_floor_s=60.0,
+                                             setup_timeout_s=120.0, max_restarts=3, stop_grace_s=5.0))
+    hosts = [f"node{i:05d}" for i in range(nodes)]
+    sup = Supervisor(cfg, world, NodePool(hosts, nodes, cfg.supervisor.evict_after),
+                     lambda attempt, active, env: SimNodes(active, env, lost), "127.0.0.1")
+    sup.run()
+    return [json.loads(x) for x in (run_dir / EVENTS_FILE).read_text().splitlines() if x.strip()]
+
+
+def figures(world: int, lost: int, events: list[dict[str, Any]]) -> dict[str, Any]:
+    one = {e["kind"]: e for e in events}
+    detected, told, ready, back = (one[k] for k in ("failure_detected", "recover_in_place", "generation_ready",
+                                                    "recovered"))
+    replaced = told["replaced"][0]
+    return {"in_place_decision_s": told["time"] - detected["time"], "generation_ready_s": ready["ready_s"],
+            "detection_to_first_step_s": back["time_to_recover_s"],
+            "checks": {"replaced": replaced["rank"] == lost, "buddy": replaced["buddy"],
+                       "buddy_on_next_node": replaced["buddy"] == (lost + NODE_SIZE) % world,
+                       "outcome": one["run_end"]["outcome"]}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[16, 64, 512, 2048, 4096, 12288])
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        with tempfile.TemporaryDirectory(prefix="sim_in_place_") as tmp:
+            lost = args.one // 2 + 3  # a rank in the middle of the job
+            print(json.dumps(figures(args.one, lost, supervise(args.one, Path(tmp) / "run", lost))), flush=True)
+        return
+    for n in args.n:
+        if n % NODE_SIZE:
+            sys.exit(f"sim_in_place: N={n} is not a whole number of {NODE_SIZE}-rank nodes")
+        done = subprocess.run([sys.executable, __file__, "--one", str(n)], capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"sim_in_place: N={n} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        checks = result.pop("checks")
+        for metric, value in result.items():
+            print(json.dumps({"bench": "scale_in_place", "metric": metric, "value": round(value, 4), "unit": "s",
+                              "n": n, "checks": checks, "load_avg": os.getloadavg()[0]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
