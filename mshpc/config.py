@@ -363,11 +363,11 @@ class RecoveryConfig:
     job, the others keeping their processes; suspicious steps replayed."""
 
     in_place: bool = False  # recover a lost or hung rank in place; off: every failure restarts from disk
-    snapshot_interval_steps: int = _min(1, 1)  # snapshot every N steps (when in_place or replay is on)
+    snapshot_interval_steps: int = at_least(1, default=1)  # snapshot every N steps (when in_place or replay is on)
     replay: bool = False  # replay a step whose loss or grad norm is NaN/Inf or a spike
-    spike_factor: float = _min(1.0, 10.0)  # a spike: past this many times the running median
-    spike_window_steps: int = _min(3, 20)  # the running median's window
-    persistent_after: int = _min(1, 2)  # replays a rank differs in before its node is evicted
+    spike_factor: float = at_least(1.0, default=10.0)  # a spike: past this many times the running median
+    spike_window_steps: int = at_least(3, default=20)  # the running median's window
+    persistent_after: int = at_least(1, default=2)  # replays a rank differs in before its node is evicted
     # the local launcher keeps one process per job with torch imported, waiting to replace a
     # lost rank (a cold start imports torch first: seconds); off: replacements start cold
     standby: bool = True

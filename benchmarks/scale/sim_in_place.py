@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mshpc.config import Config, ParallelConfig, RecoveryConfig, RunConfig, SupervisorConfig
+from mshpc.config import ParallelConfig, RecoveryConfig, SupervisorConfig
 from mshpc.events import EVENTS_FILE
 from mshpc.launch.monitor import RankState
 from mshpc.launch.node_relay import closed_message, line, node_hello, rank_envelope
@@ -156,14 +156,13 @@ class SimNodes:
 
 def supervise(world: int, run_dir: Path, lost: int) -> list[dict[str, Any]]:
     nodes = world // NODE_SIZE
-    cfg = Config(run=RunConfig(name=run_dir.name, out_dir=str(run_dir.parent)),
-                 parallel=ParallelConfig(dp=world // NODE_SIZE, tp=NODE_SIZE),
-                 recovery=RecoveryConfig(in_place=True),
-                 supervisor=SupervisorConfig(heartbeat_interval_s=INTERVAL_S, timeout_floor_s=60.0,
-                                             setup_timeout_s=120.0, max_restarts=3, stop_grace_s=5.0))
+    supervisor = SupervisorConfig(heartbeat_interval_s=INTERVAL_S, timeout_floor_s=60.0, setup_timeout_s=120.0,
+                                  max_restarts=3, stop_grace_s=5.0)
     hosts = [f"node{i:05d}" for i in range(nodes)]
-    sup = Supervisor(cfg, world, NodePool(hosts, nodes, cfg.supervisor.evict_after),
-                     lambda attempt, active, env: SimNodes(active, env, lost), "127.0.0.1")
+    sup = Supervisor(world, NodePool(hosts, nodes, supervisor.evict_after),
+                     lambda attempt, active, env: SimNodes(active, env, lost), "127.0.0.1",
+                     supervisor=supervisor, spare_nodes=0, run_dir=run_dir, checkpoints=run_dir / "checkpoints",
+                     recovery=RecoveryConfig(in_place=True), parallel=ParallelConfig(dp=nodes, tp=NODE_SIZE))
     sup.run()
     return [json.loads(x) for x in (run_dir / EVENTS_FILE).read_text().splitlines() if x.strip()]
 

@@ -124,7 +124,7 @@ class Supervisor:
     def __init__(self, world: int, pool: NodePool, start: Starter, bind_host: str, *,
                  supervisor: SupervisorConfig, spare_nodes: int, run_dir: Path, checkpoints: Path,
                  down: DownCheck = lambda hosts: {}, requeue: Requeue | None = None,
-                 recovery: RecoveryConfig = RecoveryConfig(), parallel: ParallelConfig = ParallelConfig()) -> None:
+                 recovery: RecoveryConfig | None = None, parallel: ParallelConfig | None = None) -> None:
         self.scfg, self.spare_nodes, self.world, self.pool = supervisor, spare_nodes, world, pool
         self.start, self.bind_host, self.down, self.requeue = start, bind_host, down, requeue
         self.run_dir, self.checkpoints = run_dir, checkpoints
@@ -134,8 +134,9 @@ class Supervisor:
         self.requeued = False
         self.stop_signal: int | None = None  # the first stop signal this supervisor received
         self.stop_signals = 0  # how many: a second one stops the ranks at once
-        self.recovery = recovery  # in place: whom to replace needs the mesh (each rank's buddy)
-        self.shape = MeshShape(pp=parallel.pp, dp=world // (parallel.tp * parallel.pp), tp=parallel.tp)
+        self.recovery = recovery or RecoveryConfig()  # off unless given
+        p = parallel or ParallelConfig()  # in place: whom to replace needs the mesh (each rank's buddy)
+        self.shape = MeshShape(pp=p.pp, dp=world // (p.tp * p.pp), tp=p.tp)
         self.restarts = 0  # recoveries so far, from disk and in place alike (supervisor.max_restarts)
         self.starts = 0  # starts of training so far (what MSHPC_ATTEMPT tells the ranks, and faults bind to)
         self._refused: str | None = None  # why the last failure could not be recovered in place
@@ -519,8 +520,8 @@ def slot_hosts(nproc: int, *, ranks_per_slot: int, spare_nodes: int) -> tuple[li
 
 
 def supervise_local(argv: list[str], nproc: int, *, supervisor: SupervisorConfig, spare_nodes: int,
-                    run_dir: Path, checkpoints: Path, recovery: RecoveryConfig = RecoveryConfig(),
-                    parallel: ParallelConfig = ParallelConfig()) -> int:
+                    run_dir: Path, checkpoints: Path, recovery: RecoveryConfig | None = None,
+                    parallel: ParallelConfig | None = None) -> int:
     """`mshpc train --nproc N`: N local ranks under the supervisor; returns the exit code."""
     from mshpc.launch.local import LocalRanks
 

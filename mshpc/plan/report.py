@@ -38,20 +38,21 @@ class Prediction:
 
 
 def predict(layout: Layout, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig,
-            parallel: ParallelConfig, recovery: RecoveryConfig = RecoveryConfig()) -> Prediction:
+            parallel: ParallelConfig, recovery: RecoveryConfig | None = None) -> Prediction:
     """Memory and step time of `model_cfg` trained with `layout`; `parallel` gives the overlap
     settings, the pipeline schedule and stage 3's knobs (its dp, tp, pp and stage are the layout's);
     `recovery` how often an in-memory snapshot is taken."""
     mem = memory(model_cfg, layout, schedule=parallel.pp_schedule, act_bytes=dev.act_bytes,
                  blocks_per_unit=parallel.zero3_blocks_per_unit, reshard=parallel.reshard_after_forward)
     time = step_time(layout, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel)
-    snapshots = snapshot_cost(model_cfg, layout, dev, time.total_s, recovery.snapshot_interval_steps)
+    interval = (recovery or RecoveryConfig()).snapshot_interval_steps
+    snapshots = snapshot_cost(model_cfg, layout, dev, time.total_s, interval)
     return Prediction(layout, mem, time, mem.total <= dev.memory_gib * GIB,
                       dp_bytes(layout, model_cfg=model_cfg, parallel=parallel), snapshots)
 
 
 def plan(gpus: int, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig, parallel: ParallelConfig,
-         train: TrainConfig, recovery: RecoveryConfig = RecoveryConfig()) -> list[Prediction]:
+         train: TrainConfig, recovery: RecoveryConfig | None = None) -> list[Prediction]:
     """Every valid layout at the config's global batch, those that fit first, each group fastest first."""
     layouts = enumerate_layouts(gpus, gpus_per_node, model_cfg=model_cfg, global_batch=global_batch(train, parallel))
     predictions = [predict(lay, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel, recovery=recovery)
