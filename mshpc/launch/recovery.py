@@ -20,7 +20,7 @@ import collections
 from dataclasses import dataclass
 from typing import Literal
 
-from mshpc.errors import RunEnvironmentError, SilentDataCorruption
+from mshpc.errors import RunEnvironmentError, SilentDataCorruption, SnapshotsUnusable
 from mshpc.launch.detection import Detection
 from mshpc.launch.hang_report import Missing
 from mshpc.launch.monitor import RankState
@@ -74,6 +74,8 @@ def classify(det: Detection, states: dict[int, RankState], missing: list[Missing
     if _error_name(states, det.rank) == SilentDataCorruption.__name__:
         return Verdict("node_fault", _host(states, det.rank), "silent data corruption: the rank's results differed "
                        "from its own replays of the same steps again and again", evict_now=True)
+    if _error_name(states, det.rank) == SnapshotsUnusable.__name__:  # every rank says so: no node's fault
+        return Verdict("unknown", (), "the in-memory snapshots could not be restored: restart from disk")
     if det.kind == "user_error" and _error_name(states, det.rank) == RunEnvironmentError.__name__:
         return Verdict("environment", (), "the run's file system is full or over quota: not the node's "
                        "fault, and a retry cannot fix it")
