@@ -52,7 +52,8 @@ def worker(rank: int, port: int, shape: str, args: argparse.Namespace, out: mp.Q
     x, y = batch[:, :-1], batch[:, 1:]
     torch.manual_seed(0)
     shape_ = MeshShape(pp=1, dp=2, tp=1)
-    engine = parallelize(GPT(cfg.model), build_mesh(shape_), cfg).engine
+    engine = parallelize(GPT(cfg.model), build_mesh(shape_), model_cfg=cfg.model, parallel=cfg.parallel,
+                         train=cfg.train, optim=cfg.optim).engine
     state = TrainState(engine, build_scheduler(engine.optimizer, cfg.optim, 10**6))
     keeper = SnapshotKeeper(RecoveryConfig(in_place=True), f"node{rank}", torch.device("cpu"))
     keeper.begin(state, shape_, 0, restore=False)
@@ -74,11 +75,24 @@ def worker(rank: int, port: int, shape: str, args: argparse.Namespace, out: mp.Q
         keeper.store.settle()
         engine.wait_params()
 
-    steps = {"snapshots": (lambda: step(True), settle), "no_snapshots": (lambda: step(False), engine.wait_params)}
+    cpu = {name: [0.0, 0] for name in CONTENDERS}  # CPU seconds of this process (its threads too), steps
+
+    def counted(name: str, fn, steps: int):
+        def run() -> None:
+            began = time.process_time()
+            fn()
+            cpu[name][0] += time.process_time() - began
+            cpu[name][1] += steps
+        return run
+
+    steps = {"snapshots": (counted("snapshots", lambda: step(True), 1), counted("snapshots", settle, 0)),
+             "no_snapshots": (counted("no_snapshots", lambda: step(False), 1),
+                              counted("no_snapshots", engine.wait_params, 0))}
     times = time_rounds(steps, args.rounds, args.steps)
     assert keeper.store is not None
     if rank == 0:
-        out.put(json.dumps({"round_s": times, "snapshot_mib": keeper.store.layout.nbytes / 2**20,
+        out.put(json.dumps({"round_s": times, "cpu_s": {n: c / k for n, (c, k) in cpu.items()},
+                            "snapshot_mib": keeper.store.layout.nbytes / 2**20,
                             "exchange": type(keeper.store.exchange).__name__, "take_s": statistics.median(taken),
                             "params": sum(p.numel() for p in GPT(cfg.model).parameters()),
                             "seq_len": cfg.model.seq_len, "micro_batch": micro_batch}))
@@ -103,6 +117,11 @@ def main() -> None:
                       "micro_batch_per_rank": r["micro_batch"], "dp": 2,
                       "snapshot_mib_per_rank": round(r["snapshot_mib"], 1), "exchange": r["exchange"],
                       "take_s_blocking": round(r["take_s"], 5), "steps_per_round": args.steps,
+                      # the CPU a step costs this rank's process, the snapshot's thread included: what
+                      # the load of a shared machine moves least
+                      "cpu_s_per_step": round(r["cpu_s"]["snapshots"], 4),
+                      "baseline_cpu_s_per_step": round(r["cpu_s"]["no_snapshots"], 4),
+                      "cpu_ratio": round(r["cpu_s"]["snapshots"] / r["cpu_s"]["no_snapshots"], 3),
                       "load_avg": [load, harness.load_average()]})
 
 
