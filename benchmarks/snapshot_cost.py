@@ -33,6 +33,7 @@ def worker(rank: int, port: int, shape: str, args: argparse.Namespace, out: mp.Q
     import torch.distributed as dist
 
     from mshpc.config import RecoveryConfig, load_config
+    from mshpc.cpu_ranks.tunings import select_cpu_tunings
     from mshpc.mesh_shape import MeshShape
     from mshpc.model.gpt import GPT, loss_fn
     from mshpc.optim.schedule import build_scheduler
@@ -42,6 +43,7 @@ def worker(rank: int, port: int, shape: str, args: argparse.Namespace, out: mp.Q
     from mshpc.snapshot.state import TrainState
 
     torch.set_num_threads(1)  # two ranks on this machine's cores
+    select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` runs
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=WORKER_TIMEOUT_S))
     overrides = ["parallel.dp=2"] + ([f"model.seq_len={args.seq_125m}"] if shape == "gpt-125m" else [])

@@ -23,7 +23,9 @@ class CpuTunings:
     """What this process runs of mshpc/cpu_ranks."""
 
     p2p_collectives: bool  # comm's reduce-scatter and all-gather through gloo_p2p.py
-    shared_buckets: bool  # ZeRO may map its buckets in /dev/shm (parallel.dp_shared_memory decides)
+    # ZeRO may map its buckets in /dev/shm (parallel.dp_shared_memory decides), and a snapshot's
+    # buddy on the same host maps its slots (mshpc/snapshot/exchange.py)
+    shared_buckets: bool
     heap_kept: bool  # glibc keeps freed memory (heap.py); False where the user tuned the allocator
     eager_optimizer: bool  # the optimizers skip torch._dynamo's import (eager_optimizer.py)
 
@@ -32,7 +34,8 @@ class CpuTunings:
             return "GPU rank: torch's collectives, private buckets, no CPU-rank tunings"
         heap = "freed heap kept" if self.heap_kept else f"heap left alone ({user_tuned_allocator()})"
         return ("CPU rank tunings (mshpc/cpu_ranks): gloo reduce-scatter and all-gather point-to-point, "
-                f"ZeRO buckets in shared memory where parallel.dp_shared_memory, {heap}, "
+                f"ZeRO buckets in shared memory where parallel.dp_shared_memory (and snapshots where a buddy "
+                f"shares the host), {heap}, "
                 "optimizers without torch._dynamo")
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mshpc.cpu_ranks.shared_buckets import SHM_DIR, create_reserved, map_file
 from mshpc.parallel import comm
-from mshpc.parallel.host_shared import SHM_DIR, create_reserved, map_file
 from mshpc.snapshot.placement import Buddies
 from mshpc.snapshot.slot import Slot, SlotLayout, private_buffer
 from mshpc.snapshot.store import Exchange

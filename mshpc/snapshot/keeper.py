@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mshpc.config import RecoveryConfig
+from mshpc.cpu_ranks.tunings import active as cpu_tunings
 from mshpc.errors import SilentDataCorruption
 from mshpc.events import append_event
 from mshpc.fault_hooks import NO_FAULTS, FaultHooks
@@ -59,7 +60,8 @@ class SnapshotKeeper:
             restored = restore_in_place(self.held, layout, state, ring, self.group, self.pinned)
             start_step = restored.step
         self.held = Held()  # the last generation's slots go; this one's are made next
-        own, exchange = build_exchange(layout, ring, self.group, self.pinned, shared=not self.pinned)
+        # a CPU-rank tuning (mshpc/cpu_ranks): a buddy on this host maps the slots instead of receiving them
+        own, exchange = build_exchange(layout, ring, self.group, self.pinned, shared=cpu_tunings().shared_buckets)
         if dist.get_rank() == 0:
             log.info("snapshots: %.1f MiB a rank, every %d step(s), kept by %s (%s)", layout.nbytes / 2**20,
                      self.recovery.snapshot_interval_steps, ring.why, type(exchange).__name__)

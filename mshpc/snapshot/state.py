@@ -1,6 +1,7 @@
 """What a snapshot holds of a rank, and how it is put back: the rank's ZeRO shard (every piece's
-fp32 master and optimizer moments, and the optimizer's step counter), its random generators, and
-as JSON the step, the data position and the learning-rate schedule. The same names as a disk
+fp32 master and optimizer moments, and the optimizer's step counter), the model's persistent
+buffers (a router's expert biases: state that trains but is no parameter), its random generators,
+and as JSON the step, the data position and the learning-rate schedule. The same names as a disk
 checkpoint's (`master/<key>`, `optim.<state>/<key>`, `optim.step`), so the engine installs a
 snapshot through the reader interface it restores checkpoints through.
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mshpc.checkpoint.state import persistent_buffers
 from mshpc.parallel.sharded_optim import STATE_KEYS
 from mshpc.parallel.zero import ZeroEngine
 
@@ -40,6 +42,8 @@ def live_tensors(engine: ZeroEngine) -> dict[str, torch.Tensor]:
             out[f"optim.{key}/{piece.key}"] = state[key]
     if engine.pieces:  # every piece's counter is the same: the checkpoint keeps one too
         out["optim.step"] = engine.optimizer.state[engine.pieces[0].tensor]["step"].reshape(1)
+    for name, buffer in persistent_buffers(engine.model).items():
+        out[f"buffer/{name}"] = buffer
     out[RNG_CPU] = torch.get_rng_state()
     if torch.cuda.is_available():
         out[RNG_CUDA] = torch.cuda.get_rng_state()
@@ -63,6 +67,9 @@ def install(tensors: dict[str, torch.Tensor], info: dict[str, Any], state: Train
         return t
 
     state.engine.load_state_slices(read)
+    with torch.no_grad():
+        for name, buffer in persistent_buffers(state.engine.model).items():
+            buffer.copy_(tensors[f"buffer/{name}"])
     torch.set_rng_state(tensors[RNG_CPU].clone())
     if RNG_CUDA in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors[RNG_CUDA].clone())
