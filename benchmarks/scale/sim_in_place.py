@@ -43,7 +43,7 @@ from mshpc.launch.supervisor import Supervisor
 
 NODE_SIZE = 8
 INTERVAL_S, STEP_S = 1.0, 0.5  # the beat; a simulated step
-FAULT_AT_S = 15.0  # after the nodes start: every one connected and beating (12,288 ranks take seconds)
+FAULT_AT_S = 15.0  # after the nodes start: every one connected and beating (at 12,288 ranks: more, see main)
 FINISH_AFTER_S = 10.0  # the ranks exit "ok" this long after the recovery, and the run ends
 
 
@@ -108,24 +108,45 @@ async def answer(reader: asyncio.StreamReader, node: Node) -> None:
             node.say_started(message["rank"])
 
 
-class SimNodes:
-    """The attempt's nodes in a thread of this process: the supervisor's `Ranks` and `Replaceable`."""
+async def run_nodes(address: tuple[str, int], nodes: dict[str, Node], done: asyncio.Event) -> None:
+    await asyncio.gather(*(run_node(address, n, done) for n in nodes.values()))
 
-    def __init__(self, hosts: list[str], env: dict[str, str], lost: int) -> None:
+
+def revive(nodes: dict[str, Node], rank: int, host: str, done: asyncio.Event) -> None:
+    """A replacement comes up on `host` (its hello, then "started"); then every rank finishes."""
+    node = nodes[host]
+    node.ranks.append(rank)
+    node.say_started(rank, hello=True)
+    asyncio.get_running_loop().call_later(FINISH_AFTER_S, done.set)
+
+
+class SimNodes:
+    """The attempt's nodes, the supervisor's `Ranks` and `Replaceable`: in a thread of this
+    process (the test) or a process of their own (the benchmark: the supervisor's CPU is then its
+    own, as the real nodes' is), told of a replacement on its stdin."""
+
+    def __init__(self, hosts: list[str], env: dict[str, str], lost: int, process: bool) -> None:
         host, port = env["MSHPC_SUPERVISOR"].rsplit(":", 1)
-        TOKEN[0] = env["MSHPC_SUPERVISOR_TOKEN"]
+        spec = {"address": [host, int(port)], "token": env["MSHPC_SUPERVISOR_TOKEN"], "hosts": hosts, "lost": lost}
+        self.proc: subprocess.Popen[str] | None = None
+        self.thread: threading.Thread | None = None
+        if process:
+            self.proc = subprocess.Popen([sys.executable, __file__, "--nodes", json.dumps(spec)], stdin=subprocess.PIPE,
+                                         text=True)
+            return
+        TOKEN[0] = spec["token"]
         self.nodes = {h: Node(h, list(range(i * NODE_SIZE, (i + 1) * NODE_SIZE)), lost) for i, h in enumerate(hosts)}
         self.loop = asyncio.new_event_loop()
         self.done = asyncio.Event()
-        address = (host, int(port))
-
-        async def nodes() -> None:
-            await asyncio.gather(*(run_node(address, n, self.done) for n in self.nodes.values()))
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(nodes(),), daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_until_complete, daemon=True,
+                                       args=(run_nodes((host, int(port)), self.nodes, self.done),))
         self.thread.start()
 
+    def alive(self) -> bool:
+        return self.proc.poll() is None if self.proc is not None else self.thread is not None and self.thread.is_alive()
+
     def update(self, states: dict[int, RankState]) -> None:
-        if not self.thread.is_alive():
+        if not self.alive():
             for s in states.values():
                 s.exited_at = s.exited_at or time.time()
 
@@ -133,34 +154,61 @@ class SimNodes:
         self.stop(0.0)
 
     def stop(self, grace_s: float) -> list[int]:
-        self.loop.call_soon_threadsafe(self.done.set)
-        self.thread.join(30)
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+            self.proc.wait(timeout=30)
+        elif self.thread is not None:
+            self.loop.call_soon_threadsafe(self.done.set)
+            self.thread.join(30)
         return []
 
     def kill(self, rank: int) -> None:
         pass  # its node already said it ended
 
     def replace(self, rank: int, env: dict[str, str]) -> bool:
-        node = self.nodes[env["MSHPC_NODE"]]
-
-        def up() -> None:
-            node.ranks.append(rank)
-            node.say_started(rank, hello=True)
-            self.loop.call_later(FINISH_AFTER_S, self.done.set)  # then every rank finishes
-        self.loop.call_soon_threadsafe(up)
+        if self.proc is not None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"rank": rank, "host": env["MSHPC_NODE"]}) + "\n")
+            self.proc.stdin.flush()
+        else:
+            self.loop.call_soon_threadsafe(revive, self.nodes, rank, env["MSHPC_NODE"], self.done)
         return True
 
     def warm(self) -> None:
         pass
 
 
-def supervise(world: int, run_dir: Path, lost: int) -> list[dict[str, Any]]:
+def _nodes_main(spec_json: str) -> None:
+    """The nodes' own process: until SIGTERM or the end after a replacement, which its stdin names."""
+    import signal
+
+    spec = json.loads(spec_json)
+    TOKEN[0] = spec["token"]
+    hosts = spec["hosts"]
+    nodes = {h: Node(h, list(range(i * NODE_SIZE, (i + 1) * NODE_SIZE)), spec["lost"]) for i, h in enumerate(hosts)}
+
+    async def main() -> None:
+        loop, done = asyncio.get_running_loop(), asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, done.set)
+
+        def read_stdin() -> None:
+            for raw in sys.stdin:
+                word = json.loads(raw)
+                loop.call_soon_threadsafe(revive, nodes, word["rank"], word["host"], done)
+        threading.Thread(target=read_stdin, daemon=True).start()
+        await run_nodes(tuple(spec["address"]), nodes, done)
+
+    asyncio.run(main())
+
+
+def supervise(world: int, run_dir: Path, lost: int, process: bool = False) -> list[dict[str, Any]]:
     nodes = world // NODE_SIZE
     supervisor = SupervisorConfig(heartbeat_interval_s=INTERVAL_S, timeout_floor_s=60.0, setup_timeout_s=120.0,
                                   max_restarts=3, stop_grace_s=5.0)
     hosts = [f"node{i:05d}" for i in range(nodes)]
     sup = Supervisor(world, NodePool(hosts, nodes, supervisor.evict_after),
-                     lambda attempt, active, env: SimNodes(active, env, lost), "127.0.0.1",
+                     lambda attempt, active, env: SimNodes(active, env, lost, process), "127.0.0.1",
                      supervisor=supervisor, spare_nodes=0, run_dir=run_dir, checkpoints=run_dir / "checkpoints",
                      recovery=RecoveryConfig(in_place=True), parallel=ParallelConfig(dp=nodes, tp=NODE_SIZE))
     sup.run()
@@ -169,6 +217,8 @@ def supervise(world: int, run_dir: Path, lost: int) -> list[dict[str, Any]]:
 
 def figures(world: int, lost: int, events: list[dict[str, Any]]) -> dict[str, Any]:
     one = {e["kind"]: e for e in events}
+    if "recover_in_place" not in one:
+        raise SystemExit(f"no recovery in place at N={world}: {one.get('in_place_refused', one.get('run_end'))}")
     detected, told, ready, back = (one[k] for k in ("failure_detected", "recover_in_place", "generation_ready",
                                                     "recovered"))
     replaced = told["replaced"][0]
@@ -183,11 +233,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[16, 64, 512, 2048, 4096, 12288])
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--nodes", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.nodes:
+        _nodes_main(args.nodes)
+        return
     if args.one:
+        global FAULT_AT_S
+        FAULT_AT_S += args.one / 1000  # the nodes' process connects 12,288 ranks in seconds on 2 cores
         with tempfile.TemporaryDirectory(prefix="sim_in_place_") as tmp:
             lost = args.one // 2 + 3  # a rank in the middle of the job
-            print(json.dumps(figures(args.one, lost, supervise(args.one, Path(tmp) / "run", lost))), flush=True)
+            events = supervise(args.one, Path(tmp) / "run", lost, process=True)
+            print(json.dumps(figures(args.one, lost, events)), flush=True)
         return
     for n in args.n:
         if n % NODE_SIZE:

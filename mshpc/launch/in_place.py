@@ -51,9 +51,11 @@ class Generation:
     port: int
     store_rank: int
 
-    def rejoin(self, rank: int) -> dict[str, object]:
-        return {"type": "rejoin", "rank": rank, "generation": self.number, "attempt": self.starts,
-                "port": self.port, "store_rank": self.store_rank}
+    def rejoin(self, rank: int) -> str:
+        """The survivors' word (an abort, then the rejoin) as JSON lines: formatted, not dumped,
+        since 12,287 ranks are told at once."""
+        return (f'{{"type": "abort", "rank": {rank}}}\n{{"type": "rejoin", "rank": {rank}, "generation": '
+                f'{self.number}, "attempt": {self.starts}, "port": {self.port}, "store_rank": {self.store_rank}}}\n')
 
     def env(self, rank: int, node: str) -> dict[str, str]:
         """A replacement's variables besides the attempt's (RANK, WORLD_SIZE, MASTER_ADDR...)."""
@@ -115,17 +117,15 @@ class Replaceable(Protocol):
 
 
 def carry_out(p: Plan, gen: Generation, monitor: Monitor, ranks: Replaceable, nodes: Sequence[str]) -> list[bool]:
-    """End the replaced ranks, then tell the survivors to abort and rejoin `gen`, and start each
-    replacement on `nodes[rank]`; returns, per replaced rank, whether a warm standby took it."""
+    """End the replaced ranks, start each replacement on `nodes[rank]`, then tell the survivors to
+    abort their communicators and rejoin `gen` (one write per node); returns, per replaced rank,
+    whether a warm standby took it."""
     for r in p.replaced:  # first: their sockets close, and the survivors' gloo waits end
         ranks.kill(r)
-    for r in p.survivors:
-        monitor.send(r, {"type": "abort", "rank": r})
     warm = []
     for r in p.replaced:
         monitor.replace(r, gen.number)
         warm.append(ranks.replace(r, gen.env(r, nodes[r])))
-    for r in p.survivors:
-        monitor.renew(r, gen.number)
-        monitor.send(r, gen.rejoin(r))
+    monitor.renew(list(p.survivors), gen.number)
+    monitor.send({r: gen.rejoin(r) for r in p.survivors})
     return warm

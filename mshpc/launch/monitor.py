@@ -474,28 +474,37 @@ class Monitor:
             self._conns.pop(rank, None)
             self._replaced.add(rank)
 
-    def renew(self, rank: int, generation: int) -> None:
-        """A rank that lives on into `generation`: what it said of the last one is done, and it
-        is in the new one's set-up from now on."""
+    def renew(self, ranks: list[int], generation: int) -> None:
+        """Ranks that live on into `generation`: what they said of the last one is done, and they
+        are in the new one's set-up from now on."""
         now = time.monotonic()
         with self._lock:
-            state = self.ranks[rank]
-            state.generation = generation
-            state.outcome = state.lost = state.dump = state.start_step = None
-            state.last_beat_at, state.rejoin_at, state.phase, state.phase_s = now, now, "setup", 0.0
+            for rank in ranks:
+                state = self.ranks[rank]
+                state.generation = generation
+                state.outcome = state.lost = state.dump = state.start_step = None
+                state.last_beat_at, state.rejoin_at, state.phase, state.phase_s = now, now, "setup", 0.0
 
-    def send(self, rank: int, message: dict[str, Any]) -> bool:
-        """`message` to `rank` (through its node's relay, which passes it to that rank); False
-        when the rank has no connection."""
+    def send(self, lines: dict[int, str]) -> list[int]:
+        """Each rank its message lines (JSON, newline-terminated), through its node's relay, which
+        passes them to that rank: one write per connection, a node's ranks share theirs. Returns
+        the ranks none reached (no connection, or one that is full or gone: such a rank times out
+        and is stopped)."""
+        by_conn: dict[socket.socket, list[str]] = {}
+        missed = []
         with self._lock:
-            conn = self._conns.get(rank)
-        if conn is None:
-            return False
-        try:  # non-blocking: a full socket buffer drops it (the rank then times out and is stopped)
-            conn.sendall((json.dumps(message) + "\n").encode())
-            return True
-        except OSError:
-            return False
+            for rank, text in lines.items():
+                conn = self._conns.get(rank)
+                if conn is None:
+                    missed.append(rank)
+                else:
+                    by_conn.setdefault(conn, []).append(text)
+        for conn, texts in by_conn.items():
+            try:  # non-blocking: a full socket buffer drops them
+                conn.sendall("".join(texts).encode())
+            except OSError:
+                missed += [r for r, text in lines.items() if text in texts]
+        return missed
 
     def request_dumps(self, timeout_s: float, silent_after_s: float = float("inf")) -> None:
         """Ask every connected rank for its stacks and flight recorder; wait up to `timeout_s` for

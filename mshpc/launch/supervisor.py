@@ -256,6 +256,7 @@ class Supervisor:
                 recovered, verdict = self._in_place(det, monitor, ranks, attempt, missing)
                 if not recovered:
                     return det.exit_code, Seen(det, missing, verdict)
+                began = None  # a recovery, not a check: the checks' share does not pay for it
 
     def _ask_to_stop(self, ranks: Ranks, attempt: Attempt) -> None:
         """The ranks train: they checkpoint at their next step boundary and exit (stop_request);

@@ -2,6 +2,7 @@
 cannot be done in place and why, and what the ranks are told; and, over a real Monitor and a real
 Heartbeat on a socket, that a rank's "lost" and the supervisor's rejoin travel both ways."""
 
+import json
 import time
 
 import pytest
@@ -93,7 +94,9 @@ def test_a_loss_or_a_user_error_is_not_recovered_in_place():
 
 def test_a_generation_tells_survivors_and_replacements_the_same_rendezvous():
     gen = Generation(number=2, starts=3, port=4567, store_rank=1)
-    assert gen.rejoin(0) == {"type": "rejoin", "rank": 0, "generation": 2, "attempt": 3, "port": 4567, "store_rank": 1}
+    abort, rejoin = [json.loads(line) for line in gen.rejoin(0).splitlines()]
+    assert abort == {"type": "abort", "rank": 0}
+    assert rejoin == {"type": "rejoin", "rank": 0, "generation": 2, "attempt": 3, "port": 4567, "store_rank": 1}
     env = gen.env(3, "slot7")
     assert (env["MASTER_PORT"], env["MSHPC_STORE_RANK"], env["MSHPC_GENERATION"], env["MSHPC_ATTEMPT"]) == ("4567", "1", "2", "3")
     assert (env["MSHPC_NODE"], env["MSHPC_REPLACEMENT"], env["MSHPC_NODE_RELAY_START"]) == ("slot7", "1", "0")
@@ -128,15 +131,15 @@ def test_lost_and_rejoin_travel_between_a_real_heartbeat_and_monitor():
             while monitor.ranks[0].lost is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert monitor.ranks[0].lost["error"] == "RuntimeError" and monitor.ranks[0].lost["step"] == 3
-            monitor.renew(0, generation=1)
+            monitor.renew([0], generation=1)
             beat.lost(RuntimeError("late"))  # an old generation's word arriving after the renewal
             beat.restart()
             beat.phase("data", 7)  # "started": after the late "lost" on the same connection
             while monitor.ranks[0].start_step != 7 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert monitor.ranks[0].lost is None and monitor.ranks[0].rejoin_at is None
-            assert monitor.send(0, {"type": "abort", "rank": 0})
-            assert monitor.send(0, Generation(1, 1, 4242, 0).rejoin(0))
+            assert monitor.send({0: Generation(1, 1, 4242, 0).rejoin(0)}) == []
+            assert monitor.send({5: Generation(1, 1, 4242, 0).rejoin(5)}) == [5]  # no such connection
             word = beat.await_rejoin(10)
             assert word is not None and word["port"] == 4242 and beat.generation == 1 and aborted == [True]
     finally:
