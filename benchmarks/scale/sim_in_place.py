@@ -240,7 +240,7 @@ def main() -> None:
         return
     if args.one:
         global FAULT_AT_S
-        FAULT_AT_S += args.one / 1000  # the nodes' process connects 12,288 ranks in seconds on 2 cores
+        FAULT_AT_S += args.one / 500  # every rank started first: the nodes connect 12,288 ranks in seconds here
         with tempfile.TemporaryDirectory(prefix="sim_in_place_") as tmp:
             lost = args.one // 2 + 3  # a rank in the middle of the job
             events = supervise(args.one, Path(tmp) / "run", lost, process=True)
