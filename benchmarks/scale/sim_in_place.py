@@ -204,7 +204,7 @@ def _nodes_main(spec_json: str) -> None:
 
 def supervise(world: int, run_dir: Path, lost: int, process: bool = False) -> list[dict[str, Any]]:
     nodes = world // NODE_SIZE
-    supervisor = SupervisorConfig(heartbeat_interval_s=INTERVAL_S, timeout_floor_s=60.0, setup_timeout_s=120.0,
+    supervisor = SupervisorConfig(heartbeat_interval_s=INTERVAL_S, timeout_floor_s=60.0, setup_timeout_s=600.0,
                                   max_restarts=3, stop_grace_s=5.0)
     hosts = [f"node{i:05d}" for i in range(nodes)]
     sup = Supervisor(world, NodePool(hosts, nodes, supervisor.evict_after),
