@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mshpc.bench import harness
 from mshpc.config import ParallelConfig, RecoveryConfig, SupervisorConfig
 from mshpc.events import EVENTS_FILE
 from mshpc.launch.monitor import RankState
@@ -255,8 +256,8 @@ def main() -> None:
         result = json.loads(done.stdout.strip().splitlines()[-1])
         checks = result.pop("checks")
         for metric, value in result.items():
-            print(json.dumps({"bench": "scale_in_place", "metric": metric, "value": round(value, 4), "unit": "s",
-                              "n": n, "checks": checks, "load_avg": os.getloadavg()[0]}), flush=True)
+            harness.emit(harness.record("scale_in_place", metric, value, "s", n=n, checks=checks,
+                                        load_avg=harness.load_average()))
 
 
 if __name__ == "__main__":
