@@ -1,9 +1,10 @@
 """What recovery in place's in-memory snapshots cost a layout (`recovery.*`, mshpc/snapshot/):
 per rank, the bytes of one snapshot (its ZeRO shard's fp32 master and two moments: 12 bytes per
-parameter over dp, as memory.py counts the optimizer), the host memory they take (two slots of its
-own, double-buffered, and two it keeps for its buddy's ward), and the time their traffic takes as
-a share of the step: the copy off the device (PCIe, overlapped with the next step) and the send to
-the buddy on another node (the inter-node link, which the step's dp traffic shares).
+parameter over dp, routed experts over dp / ep, as memory.py counts the optimizer), the host
+memory they take (two slots of its own, double-buffered, and two it keeps for its buddy's ward),
+and the time their traffic takes as a share of the step: the copy off the device (PCIe, overlapped
+with the next step) and the send to the buddy on another node (the inter-node link, which the
+step's dp traffic shares).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from mshpc.config import ModelConfig
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout
-from mshpc.plan.memory import SHARDED_STATE_BYTES, stage_params
+from mshpc.plan.memory import SHARDED_STATE_BYTES, sharded_params, stage_params
 
 SLOTS = 4  # two of its own and two of its ward's: mshpc/snapshot/store.py, exchange.py
 
@@ -35,8 +36,8 @@ class SnapshotCost:
 
 def snapshot_cost(m: ModelConfig, layout: Layout, dev: DeviceSpec, step_s: float, interval_steps: int) -> SnapshotCost:
     """The snapshot cost of `layout` whose step takes `step_s`, a snapshot every `interval_steps`."""
-    params = max(stage_params(m, layout, s) for s in {0, layout.pp - 1})
-    nbytes = params * SHARDED_STATE_BYTES / layout.dp
+    # the optimizer's shard as memory.py counts it: routed experts over dp / ep, the rest over dp
+    nbytes = max(sharded_params(m, layout, stage_params(m, layout, s)) for s in {0, layout.pp - 1}) * SHARDED_STATE_BYTES
     d2h_s = nbytes / (dev.d2h_gbps * 1e9)
     send_s = nbytes / (dev.inter_gbps * 1e9)
     return SnapshotCost(nbytes, SLOTS * nbytes, d2h_s, send_s, max(d2h_s, send_s) / (interval_steps * step_s))
