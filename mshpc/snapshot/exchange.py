@@ -6,8 +6,9 @@ Two ways, chosen once per generation by every rank alike and logged:
           its ward's), into two slots the buddy keeps for it. The way between hosts, and the
           GPU way (the slots are pinned host memory, so NCCL's traffic is untouched).
   shared  CPU ranks whose buddies share their host (the local launcher's simulated nodes): each
-          rank's own two slots are files in /dev/shm that its buddy maps too, the names unlinked
-          as soon as both have mapped them. A snapshot then reaches the buddy by being written:
+          rank's own two slots are files in /dev/shm without a name (O_TMPFILE), which its buddy
+          maps too through the owner's descriptor, checked as ZeRO's shared buckets check theirs
+          (mshpc/cpu_ranks/shared_buckets.py). A snapshot then reaches the buddy by being written:
           the copy a send would make costs this machine's only cores, while a GPU node sends
           with cores and a link the step does not use. The pages live while either process maps
           them, so a rank's state outlives it in its buddy, and dies with both, as across hosts.
@@ -16,13 +17,12 @@ Two ways, chosen once per generation by every rank alike and logged:
 from __future__ import annotations
 
 import logging
-import secrets
-from pathlib import Path
+import os
 
 import torch
 import torch.distributed as dist
 
-from mshpc.cpu_ranks.shared_buckets import SHM_DIR, create_reserved, map_file
+from mshpc.cpu_ranks.shared_buckets import SHM_DIR, create_unnamed, identity, map_peer
 from mshpc.parallel import comm
 from mshpc.snapshot.placement import Buddies
 from mshpc.snapshot.slot import Slot, SlotLayout, private_buffer
@@ -95,27 +95,30 @@ def build_exchange(layout: SlotLayout, buddies: Buddies, group: dist.ProcessGrou
 
 def _map_shared(layout: SlotLayout, opaque: SlotLayout, rank: int, ward: int,
                 group: dist.ProcessGroup) -> tuple[list[Slot], list[Slot]] | None:
-    """Each rank creates its two slot files, its buddy maps them, then the names go. None, on
-    every rank alike, when any rank could not create its files or map its ward's."""
-    token = comm.broadcast_json(secrets.token_hex(8), src=dist.get_global_rank(group, 0), group=group)
-    mine = [SHM_DIR / f"mshpc-snap-{token}-{rank}-{i}" for i in range(2)]
-    made = all(create_reserved(path, layout.nbytes) for path in mine)
-    own = wards = None
+    """Each rank creates its two slot buffers without a name and announces them; its buddy maps
+    them through the owner's descriptors, then the descriptors close (the mappings keep the pages).
+    None, on every rank alike, when any rank could not create its buffers or map its ward's."""
+    fds = [create_unnamed(layout.nbytes) for _ in range(2)]
     try:
-        if all(comm.all_gather_json(made, group)):
-            own = [_map(path, layout) for path in mine]
-            wards = [_map(SHM_DIR / f"mshpc-snap-{token}-{ward}-{i}", opaque) for i in range(2)]
-        ok = own is not None and wards is not None and all(s is not None for s in [*own, *wards])
-        agreed = all(comm.all_gather_json(ok, group))  # and every buddy has mapped: names may go
+        everyone = comm.all_gather_json([identity(fd) for fd in fds], group)
+        own: list[Slot | None] = []
+        wards: list[Slot | None] = []
+        if all(who is not None for ids in everyone for who in ids):
+            me = everyone[rank][0]
+            own = [_map(fd, who, me, layout) for fd, who in zip(fds, everyone[rank], strict=True)]
+            wards = [_map(None, who, me, opaque) for who in everyone[ward]]
+        ok = bool(own) and all(s is not None for s in [*own, *wards])
+        agreed = all(comm.all_gather_json(ok, group))  # and every buddy has mapped: the descriptors may close
     finally:
-        for path in mine:
-            path.unlink(missing_ok=True)
-    if not agreed or own is None or wards is None:
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
+    if not agreed:
         log.info("snapshots: not every buddy shares its ward's host (%s): slots are sent", SHM_DIR)
         return None
     return [s for s in own if s is not None], [s for s in wards if s is not None]
 
 
-def _map(path: Path, layout: SlotLayout) -> Slot | None:
-    mapped = map_file(path, layout.nbytes)
+def _map(own: int | None, who: dict, me: dict, layout: SlotLayout) -> Slot | None:
+    mapped = map_peer(own, who, me, layout.nbytes)
     return None if mapped is None else Slot(layout, torch.frombuffer(mapped, dtype=torch.uint8))  # keeps the map
