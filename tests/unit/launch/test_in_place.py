@@ -14,7 +14,7 @@ from mshpc.launch.hang_report import Missing
 from mshpc.launch.heartbeat import Heartbeat
 from mshpc.launch.in_place import Generation, plan
 from mshpc.launch.monitor import Monitor, RankState
-from mshpc.launch.node_relay import _addressee
+from mshpc.launch.node_relay import addressee
 from mshpc.launch.standby import read_assignment
 from mshpc.mesh_shape import MeshShape
 from mshpc.save_schedule import SaveSchedule
@@ -103,10 +103,10 @@ def test_a_generation_tells_survivors_and_replacements_the_same_rendezvous():
 
 
 def test_a_relay_passes_a_rank_its_own_word_and_every_rank_a_dump_request():
-    assert _addressee(b'{"type": "dump"}\n') == "all"
-    assert _addressee(b'{"type": "rejoin", "rank": 5, "generation": 1}\n') == 5
-    assert _addressee(b'{"type": "abort", "rank": 2}\n') == 2
-    assert _addressee(b'{"type": "abort", "rank": "2"}\n') is None and _addressee(b"[1]") is None
+    assert addressee(b'{"type": "dump"}\n') == "all"
+    assert addressee(b'{"type": "rejoin", "rank": 5, "generation": 1}\n') == 5
+    assert addressee(b'{"type": "abort", "rank": 2}\n') == 2
+    assert addressee(b'{"type": "abort", "rank": "2"}\n') is None and addressee(b"[1]") is None
 
 
 def test_a_standby_takes_an_object_of_strings_only():
