@@ -395,13 +395,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.set)
     dev = device_spec(args.gpu, args.intra_bw, args.inter_bw, args.efficiency)
     predictions = plan(args.gpus, dev, args.gpus_per_node, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train,
-                       recovery=cfg.recovery)
+                       plan_cfg=cfg.plan, recovery=cfg.recovery)
     if args.json:
         print(format_json(predictions))
     else:
         if cfg.model.moe is not None:  # total and active parameters, FLOPs of the routed experts met
             print(describe_model(cfg.model))
-        print(format_table(predictions, dev, args.top))
+        print(format_table(predictions, dev, args.top, plan_cfg=cfg.plan))
     return 0
 
 

@@ -70,7 +70,9 @@ class ModelConfig:
     n_head: int = at_least(1, default=4)
     d_model: int = at_least(2, default=256)
     mlp_ratio: int = at_least(1, default=4)
-    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    # layernorm + gelu (serial or parallel block) is GPT-NeoX's model, rmsnorm + swiglu Llama's
+    # (`mshpc export`); the default is GPT-3's LayerNorm and GeLU
+    norm: Literal["rmsnorm", "layernorm"] = "layernorm"
     norm_eps: float = 1e-5
     parallel_block: bool = False  # MegaScale/PaLM: attn and MLP from one normed input, summed
     sliding_window: int | None = None  # each token sees at most the previous W tokens
@@ -93,6 +95,15 @@ class ModelConfig:
     head_dim: int | None = at_least(2, default=None)
     qk_norm: bool = False  # RMSNorm of each q and k head over head_dim before RoPE (Qwen3, OLMo 2)
     moe: MoEConfig | None = None  # a mixture of experts in some layers' place of the MLP; null: dense
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2's; none on the output projection)
+    # RoPE frequency scaling for long contexts: none, or llama3 (Llama 3.1/3.2: low frequencies
+    # divided by rope_factor, high ones kept, the band between blended; Meta's release, as
+    # transformers computes it), for a model trained at rope_original_seq_len positions
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_factor: float = at_least(1.0, default=8.0)
+    rope_low_freq_factor: float = at_least(0.0, default=1.0)
+    rope_high_freq_factor: float = at_least(0.0, default=4.0)
+    rope_original_seq_len: int = at_least(1, default=8192)
 
     @property
     def ffn_width(self) -> int:
@@ -198,6 +209,15 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = at_least(0.0, default=1.0)  # max global grad norm; 0 turns clipping off
+    # after the warmup: cosine (half-cosine from lr to min_lr at train.steps), wsd
+    # (warmup-stable-decay: lr held, then decayed to min_lr over the last decay_fraction of the
+    # steps; Hägele et al. 2024, the schedule of most 2025 pretraining runs, which a run can be
+    # continued from before its decay), or constant (lr held to the end)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = at_least(0.0, default=0.2)  # wsd: the share of train.steps spent decaying
+    # wsd's decay from lr to min_lr: linear, sqrt (1 - sqrt of the progress, Hägele et al.'s
+    # best) or cosine
+    decay_shape: Literal["linear", "sqrt", "cosine"] = "sqrt"
 
 
 @dataclass(frozen=True)
@@ -236,7 +256,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    interval_steps: int = at_least(0, default=0)  # save every N steps (and at the end); 0 turns saving off
+    # save every N steps, at the end of the run and when stopped (SIGTERM, SIGINT, Slurm's
+    # pre-timeout signal); 0 turns saving off (a stop still saves). torchtitan's interval.
+    interval_steps: int = at_least(0, default=500)
     keep: int = at_least(1, default=3)  # committed checkpoints kept; older ones go after a new commit
     dir: str | None = None  # None: <run dir>/checkpoints
     async_save: bool = True  # copy beside the next forward/backward, write in the background
@@ -294,6 +316,14 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class PlanConfig:
+    # the share of each device's memory `mshpc plan` and `parallel.layout: auto` leave free: the
+    # CUDA context, NCCL's buffers and the caching allocator's fragmentation, which the memory
+    # model does not count (Megatron and torchtitan users keep 5-10% free in practice)
+    memory_headroom: float = 0.1
+
+
+@dataclass(frozen=True)
 class SlurmConfig:
     # Slurm's pre-timeout signal (sbatch --signal): checkpoint, requeue, exit. Not USR1 by
     # default: NCCL may catch it.
@@ -330,6 +360,13 @@ class DiagnoseConfig:
     watch_ranks_per_file: int = at_least(1, default=8)
     mfu_window_steps: int = at_least(1, default=20)  # rolling median of achieved TFLOP/s ...
     mfu_decline: float = 0.1  # ... an event when it falls this fraction below the run's best
+    # Floors of what is said on the console and marked in the report (events record every flag):
+    # a straggler only below this relative score (a third slower than its peers: nvidia-resiliency-
+    # ext's default threshold is 0.7), an MFU decline only past this fraction. Ranks that share a
+    # host's cores, two local CPU ranks say, take turns at 10% slower and lose 10% of their pace
+    # to the host's other work: that is noise, not a node to evict.
+    straggler_warn_below: float = 0.75
+    mfu_warn_decline: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -401,6 +438,7 @@ class Config:
 
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
     diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
@@ -756,6 +794,9 @@ def _check_model(m: ModelConfig) -> None:
             f"model.n_kv_head={m.n_kv_head} does not divide model.n_head={m.n_head} "
             f"(choose {_divisors(m.n_head)})"
         )
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be > "
+                          f"model.rope_low_freq_factor={m.rope_low_freq_factor} (Llama 3.1: 4.0 and 1.0)")
 
 
 def _check_moe(m: ModelConfig) -> None:
@@ -811,11 +852,12 @@ def check_layout(*, model: ModelConfig, parallel: ParallelConfig, train: TrainCo
         # LAMB's per-weight trust ratio would count each replicated kv head once per copy
         raise ConfigError(f"optim.name='lamb' with model.n_kv_head={kv} < parallel.tp={p.tp} (replicated kv "
                           f"heads) is not available (choose optim.name='adamw', or parallel.tp <= {kv})")
-    if m.mlp_bias and p.tp > 1:
-        # Megatron splits the first bias with fc's rows and adds the second after the
-        # reduce-scatter; the tensor-parallel layers here carry no biases yet
-        raise ConfigError(f"model.mlp_bias=true is not available with parallel.tp={p.tp} (choose "
-                          "model.mlp_bias=false, or parallel.tp=1)")
+    for key in ("mlp_bias", "qkv_bias"):
+        if getattr(m, key) and p.tp > 1:
+            # the tensor-parallel layers carry no biases yet (Megatron splits a column-parallel
+            # bias with its rows and adds a row-parallel one after the reduce-scatter)
+            raise ConfigError(f"model.{key}=true is not available with parallel.tp={p.tp} (choose "
+                              f"model.{key}=false, or parallel.tp=1)")
     if m.seq_len % p.tp:
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.seq_len={m.seq_len} (sequence parallelism "
@@ -853,7 +895,7 @@ def _check_zero_stage(p: ParallelConfig, m: ModelConfig) -> None:
 
 
 def _check_diagnose(d: DiagnoseConfig) -> None:
-    for key in ("straggler_threshold", "mfu_decline"):
+    for key in ("straggler_threshold", "mfu_decline", "straggler_warn_below", "mfu_warn_decline"):
         value = getattr(d, key)
         if not 0 < value < 1:
             raise ConfigError(f"diagnose.{key}={value} must be between 0 and 1 (a fraction)")
@@ -908,6 +950,12 @@ def validate(cfg: Config) -> Config:
     _check_data(cfg.data)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} must be <= optim.lr={cfg.optim.lr}")
+    if cfg.optim.decay_fraction > 1:
+        raise ConfigError(f"optim.decay_fraction={cfg.optim.decay_fraction} must be between 0 and 1 "
+                          "(the share of train.steps wsd spends decaying; 0.2 is usual)")
+    if not 0 <= cfg.plan.memory_headroom < 1:
+        raise ConfigError(f"plan.memory_headroom={cfg.plan.memory_headroom} must be in [0, 1) "
+                          "(the share of device memory left free; 0.1 is usual)")
     _check_diagnose(cfg.diagnose)
     _check_run(cfg.run)
     _check_loggers(cfg.run)

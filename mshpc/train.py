@@ -92,7 +92,7 @@ def fit_to_world(cfg: Config, info: DistInfo) -> Config:
         device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
         dev, per_node = smallest_over_world(dev, info.local_world_size, device)
         parallel, train, line = fit_layout(info.world_size, dev, per_node, model_cfg=cfg.model,
-                                           parallel=cfg.parallel, train=cfg.train, optim=cfg.optim)
+                                           parallel=cfg.parallel, train=cfg.train, optim=cfg.optim, plan_cfg=cfg.plan)
         cfg = dataclasses.replace(cfg, parallel=parallel, train=train)
         if info.rank == 0:
             log.info(line)
@@ -119,7 +119,8 @@ def warn_if_unfit(cfg: Config, rt: Runtime) -> None:
     if rt.device.type != "cuda":
         return
     props = torch.cuda.get_device_properties(rt.device)
-    warning = fit_warning(props.total_memory, props.name, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train)
+    warning = fit_warning(props.total_memory, props.name, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train,
+                          plan_cfg=cfg.plan)
     if warning is not None:
         log.warning(warning)
 

@@ -15,13 +15,21 @@ from dataclasses import dataclass
 
 import torch
 
-from mshpc.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig, check_layout, global_batch
+from mshpc.config import (
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PlanConfig,
+    TrainConfig,
+    check_layout,
+    global_batch,
+)
 from mshpc.errors import ConfigError
 from mshpc.parallel import comm
 from mshpc.plan.devices import DEVICES, DeviceSpec
 from mshpc.plan.layout import CHECKPOINTING, Layout
 from mshpc.plan.memory import GIB
-from mshpc.plan.report import Prediction, plan
+from mshpc.plan.report import Prediction, headroom_words, plan
 
 # Predicted step times this close to the fastest are a tie (equal up to float rounding: layouts
 # that differ only in how the batch is cut often predict the same time); the simplest of them
@@ -96,23 +104,23 @@ def _describe(lay: Layout) -> str:
             f"grad_accum {lay.n_micro} recompute {lay.checkpointing} zero {lay.zero_stage}")
 
 
-def _refusal(batch: int, world: int, dev: DeviceSpec, predictions: list[Prediction]) -> str:
+def _refusal(batch: int, world: int, dev: DeviceSpec, predictions: list[Prediction], plan_cfg: PlanConfig) -> str:
     least = min(predictions, key=lambda p: p.memory.total)
     mem = least.memory
     return (f"parallel.layout=auto: none of the {len(predictions)} layouts of {world} ranks at the global "
-            f"batch of {batch} fits in {dev.memory_gib:.1f} GiB per rank ({dev.name}); the "
+            f"batch of {batch} fits in {headroom_words(dev, plan_cfg)} per rank; the "
             f"leanest ({_describe(least.layout)}) needs {mem.total / GIB:.1f} GiB (weights "
             f"{mem.weights / GIB:.1f}, grads {mem.grads / GIB:.1f}, optimizer {mem.optimizer / GIB:.1f}, "
             f"activations {mem.activations / GIB:.1f}); launch more ranks, or shrink the model or the batch")
 
 
 def choose_layout(world: int, dev: DeviceSpec, ranks_per_node: int, *, model_cfg: ModelConfig,
-                  parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig) -> Choice:
+                  parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig, plan_cfg: PlanConfig) -> Choice:
     """The plan's fastest fitting layout of `world` ranks that the engine accepts, and the next
     one; a ConfigError with the plan's reason when no layout divides the batch or none fits."""
     batch = global_batch(train, parallel)
     try:
-        every = plan(world, dev, ranks_per_node, model_cfg=model_cfg, parallel=parallel, train=train)
+        every = plan(world, dev, ranks_per_node, model_cfg=model_cfg, parallel=parallel, train=train, plan_cfg=plan_cfg)
     except ConfigError as exc:  # the world does not divide the batch: say which setting it was
         raise ConfigError(f"parallel.layout=auto on {world} ranks: {exc}") from None
     predictions = [p for p in every
@@ -123,14 +131,14 @@ def choose_layout(world: int, dev: DeviceSpec, ranks_per_node: int, *, model_cfg
                           f"model.seq_len); launch another number of ranks")
     ranked = rank_fitting(predictions)
     if not ranked:
-        raise ConfigError(_refusal(batch, world, dev, predictions))
+        raise ConfigError(_refusal(batch, world, dev, predictions, plan_cfg))
     return Choice(ranked[0], ranked[1] if len(ranked) > 1 else None, len(predictions), len(ranked))
 
 
-def choice_line(choice: Choice, world: int, dev: DeviceSpec) -> str:
+def choice_line(choice: Choice, world: int, dev: DeviceSpec, *, plan_cfg: PlanConfig) -> str:
     """The one start-up line: the layout taken, its prediction, and the runner-up's."""
     best = choice.best
-    line = (f"parallel.layout auto on {world} ranks ({dev.name}, {dev.memory_gib:.1f} GiB per rank): "
+    line = (f"parallel.layout auto on {world} ranks ({headroom_words(dev, plan_cfg)} per rank): "
             f"{_describe(best.layout)}, predicted {best.time.total_s:.4g} s/step, "
             f"{best.memory.total / GIB:.2f} GiB; runner-up ")
     up = choice.runner_up
@@ -143,13 +151,13 @@ def choice_line(choice: Choice, world: int, dev: DeviceSpec) -> str:
 
 
 def fit_layout(world: int, dev: DeviceSpec, ranks_per_node: int, *, model_cfg: ModelConfig,
-               parallel: ParallelConfig, train: TrainConfig,
-               optim: OptimConfig) -> tuple[ParallelConfig, TrainConfig, str]:
+               parallel: ParallelConfig, train: TrainConfig, optim: OptimConfig,
+               plan_cfg: PlanConfig) -> tuple[ParallelConfig, TrainConfig, str]:
     """The parallel and train sections with the chosen layout, and the line that says so."""
     choice = choose_layout(world, dev, ranks_per_node, model_cfg=model_cfg, parallel=parallel, train=train,
-                           optim=optim)
+                           optim=optim, plan_cfg=plan_cfg)
     par, tr = with_layout(parallel, train, choice.best.layout)
-    return par, tr, choice_line(choice, world, dev)
+    return par, tr, choice_line(choice, world, dev, plan_cfg=plan_cfg)
 
 
 # ---------------------------------------------------------------- this rank's device

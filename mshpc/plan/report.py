@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mshpc.config import ModelConfig, ParallelConfig, RecoveryConfig, TrainConfig, global_batch
+from mshpc.config import ModelConfig, ParallelConfig, PlanConfig, RecoveryConfig, TrainConfig, global_batch
 from mshpc.diagnose.mfu import flops_per_token
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import Layout, enumerate_layouts, layout_of
@@ -37,30 +37,44 @@ class Prediction:
         }
 
 
+def usable_bytes(device_memory_bytes: float, plan_cfg: PlanConfig) -> float:
+    """What a layout may fill of a device: its memory less plan.memory_headroom."""
+    return device_memory_bytes * (1.0 - plan_cfg.memory_headroom)
+
+
+def headroom_words(dev: DeviceSpec, plan_cfg: PlanConfig) -> str:
+    """E.g. "72.0 of 80 GiB (H100; plan.memory_headroom 10% kept free)"."""
+    usable = usable_bytes(dev.memory_gib * GIB, plan_cfg) / GIB
+    return (f"{usable:.1f} of {dev.memory_gib:g} GiB ({dev.name}; plan.memory_headroom "
+            f"{plan_cfg.memory_headroom:.0%} kept free)")
+
+
 def predict(layout: Layout, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig,
-            parallel: ParallelConfig, recovery: RecoveryConfig | None = None) -> Prediction:
+            parallel: ParallelConfig, plan_cfg: PlanConfig, recovery: RecoveryConfig | None = None) -> Prediction:
     """Memory and step time of `model_cfg` trained with `layout`; `parallel` gives the overlap
     settings, the pipeline schedule and stage 3's knobs (its dp, tp, pp and stage are the layout's);
-    `recovery` how often an in-memory snapshot is taken."""
+    it fits in what plan.memory_headroom leaves of the device; `recovery` how often an in-memory
+    snapshot is taken."""
     mem = memory(model_cfg, layout, schedule=parallel.pp_schedule, act_bytes=dev.act_bytes,
                  blocks_per_unit=parallel.zero3_blocks_per_unit, reshard=parallel.reshard_after_forward)
     time = step_time(layout, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel)
     interval = (recovery or RecoveryConfig()).snapshot_interval_steps
     snapshots = snapshot_cost(model_cfg, layout, dev, time.total_s, interval)
-    return Prediction(layout, mem, time, mem.total <= dev.memory_gib * GIB,
+    return Prediction(layout, mem, time, mem.total <= usable_bytes(dev.memory_gib * GIB, plan_cfg),
                       dp_bytes(layout, model_cfg=model_cfg, parallel=parallel), snapshots)
 
 
 def plan(gpus: int, dev: DeviceSpec, gpus_per_node: int, *, model_cfg: ModelConfig, parallel: ParallelConfig,
-         train: TrainConfig, recovery: RecoveryConfig | None = None) -> list[Prediction]:
+         train: TrainConfig, plan_cfg: PlanConfig, recovery: RecoveryConfig | None = None) -> list[Prediction]:
     """Every valid layout at the config's global batch, those that fit first, each group fastest first."""
     layouts = enumerate_layouts(gpus, gpus_per_node, model_cfg=model_cfg, global_batch=global_batch(train, parallel))
-    predictions = [predict(lay, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel, recovery=recovery)
+    predictions = [predict(lay, dev, gpus_per_node, model_cfg=model_cfg, parallel=parallel, plan_cfg=plan_cfg,
+                           recovery=recovery)
                    for lay in layouts]
     return sorted(predictions, key=lambda p: (not p.fits, p.time.total_s))
 
 
-def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> str:
+def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int, *, plan_cfg: PlanConfig) -> str:
     """The `top` predictions as a table; an ep column where some layout has expert parallelism;
     each layout's snapshot size and its traffic's share of the step (recovery in place)."""
     experts = any(p.layout.ep > 1 for p in predictions)
@@ -79,7 +93,7 @@ def format_table(predictions: list[Prediction], dev: DeviceSpec, top: int) -> st
             f"{p.snapshots.step_fraction:>6.2%}"
         )
     fitting = sum(p.fits for p in predictions)
-    lines.append(f"{len(predictions)} layouts, {fitting} fit in {dev.memory_gib:g} GiB ({dev.name}); "
+    lines.append(f"{len(predictions)} layouts, {fitting} fit in {headroom_words(dev, plan_cfg)}; "
                  f"showing {min(top, len(predictions))}; snap: one rank's in-memory snapshot (recovery.in_place; "
                  f"its host keeps 4 of them) and its copy and send as a share of the step")
     return "\n".join(lines)
@@ -120,14 +134,16 @@ def memory_refusal(device_memory_bytes: int, device_name: str, act_bytes: int, *
 
 
 def fit_warning(device_memory_bytes: int, device_name: str, *, model_cfg: ModelConfig, parallel: ParallelConfig,
-                train: TrainConfig) -> str | None:
+                train: TrainConfig, plan_cfg: PlanConfig) -> str | None:
     """A one-line warning when the config's own layout will not fit on its device, else None.
     Activations are counted in bf16, the GPU default (train.dtype: auto)."""
     mem = memory(model_cfg, layout_of(parallel, train), schedule=parallel.pp_schedule,
                  blocks_per_unit=parallel.zero3_blocks_per_unit, reshard=parallel.reshard_after_forward)
-    if mem.total <= device_memory_bytes:
+    usable = usable_bytes(device_memory_bytes, plan_cfg)
+    if mem.total <= usable:
         return None
     return (f"this layout needs about {mem.total / GIB:.1f} GiB per GPU on pipeline stage {mem.stage} "
             f"(weights {mem.weights / GIB:.1f}, grads {mem.grads / GIB:.1f}, optimizer "
             f"{mem.optimizer / GIB:.1f}, activations {mem.activations / GIB:.1f}) but {device_name} has "
-            f"{device_memory_bytes / GIB:.1f} GiB; `mshpc plan` lists layouts that fit")
+            f"{usable / GIB:.1f} of {device_memory_bytes / GIB:.1f} GiB to give (plan.memory_headroom "
+            f"{plan_cfg.memory_headroom:.0%} kept free); `mshpc plan` lists layouts that fit")

@@ -19,11 +19,12 @@ def test_auto_trains_with_the_plans_layout_and_logs_it(tmp_path, corpus_cache):
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = load_config(REPO / "configs/tiny.yaml", [*SMALL, *WRITTEN])
     dev = cpu_spec(host_memory_bytes(), 2, 1, act_bytes=4)  # SMALL sets train.cpu_threads=1; CPU is fp32
-    choice = choose_layout(2, dev, 2, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, optim=cfg.optim)
+    choice = choose_layout(2, dev, 2, model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, optim=cfg.optim,
+                           plan_cfg=cfg.plan)
     best = choice.best.layout
     assert (best.dp, best.tp, best.pp) == (2, 1, 1)  # not the written tp=2
     logged = [line for line in (out.stdout + out.stderr).splitlines() if "parallel.layout auto" in line]
-    assert len(logged) == 1 and logged[0].endswith(choice_line(choice, 2, dev)), logged
+    assert len(logged) == 1 and logged[0].endswith(choice_line(choice, 2, dev, plan_cfg=cfg.plan)), logged
     resolved = yaml.safe_load((tmp_path / "auto/config.yaml").read_text())
     p, t = resolved["parallel"], resolved["train"]
     assert (p["dp"], p["tp"], p["pp"], p["virtual_stages"], t["micro_batch"], t["grad_accum"],

@@ -35,3 +35,33 @@ def test_scheduler_drives_optimizer_lr():
         opt.step()
         sched.step()
     assert all(isinstance(v, (int, float, list, type(None))) for v in sched.state_dict().values())
+
+
+WSD = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, schedule="wsd", decay_fraction=0.25)
+
+
+def test_wsd_warms_up_holds_the_peak_then_decays_to_min_lr_in_the_last_fraction():
+    lrs = [lr_at(s, WSD, TOTAL) for s in range(TOTAL + 3)]
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # the same warmup as cosine
+    assert lrs[3:15] == [1.0] * 12  # stable: the peak until the last 25% (5 of 20 steps)
+    decay = lrs[15:TOTAL + 1]
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+    assert lrs[TOTAL:] == pytest.approx([0.1] * 3)
+    # 1 - sqrt by default (Hägele et al. 2024): below the linear decay at every point inside it
+    linear = OptimConfig(**{**WSD.__dict__, "decay_shape": "linear"})
+    assert lr_at(16, linear, TOTAL) == pytest.approx(0.1 + 0.9 * (1 - 1 / 5))
+    assert lr_at(16, WSD, TOTAL) == pytest.approx(0.1 + 0.9 * (1 - (1 / 5) ** 0.5))
+
+
+def test_constant_holds_the_peak_after_warmup_and_schedule_is_a_config_choice():
+    from mshpc.config import load_config
+    from mshpc.errors import ConfigError
+
+    constant = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, schedule="constant")
+    assert [lr_at(s, constant, TOTAL) for s in range(3, TOTAL + 2)] == [1.0] * (TOTAL - 1)
+    assert load_config(None, ["optim.schedule=wsd"]).optim.schedule == "wsd"
+    with pytest.raises(ConfigError, match=r"optim.schedule='step' is not a valid choice \(choose 'cosine' or 'wsd' "
+                                          r"or 'constant'\)"):
+        load_config(None, ["optim.schedule=step"])
+    with pytest.raises(ConfigError, match="optim.decay_fraction=1.5 must be between 0 and 1"):
+        load_config(None, ["optim.decay_fraction=1.5"])

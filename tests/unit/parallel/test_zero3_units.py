@@ -126,7 +126,8 @@ def test_plan_weighs_both_stages_and_stage3_fits_where_stage2_cannot():
     parallel = dataclasses.replace(LLAMA_8B.parallel, dp=8, tp=1)
     layouts = enumerate_layouts(8, 8, model_cfg=LLAMA_8B.model, global_batch=global_batch(LLAMA_8B.train, parallel))
     assert {lay.zero_stage for lay in layouts} == {2, 3}
-    rows = plan(8, DEVICES["h100"], 8, model_cfg=LLAMA_8B.model, parallel=parallel, train=LLAMA_8B.train)
+    rows = plan(8, DEVICES["h100"], 8, model_cfg=LLAMA_8B.model, parallel=parallel, train=LLAMA_8B.train,
+                plan_cfg=LLAMA_8B.plan)
     fit = {(p.layout.tp, p.layout.pp, p.layout.zero_stage) for p in rows if p.fits}
     # Llama 3 8B on one node of 8 H100s, data parallel only: stage 2 holds 16 bytes a weight
     # whole (128 GiB), stage 3 its shards and two layers

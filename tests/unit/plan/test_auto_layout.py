@@ -28,11 +28,11 @@ H100 = DEVICES["h100"]
 
 
 def sections(cfg):
-    return dict(model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, optim=cfg.optim)
+    return dict(model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, optim=cfg.optim, plan_cfg=cfg.plan)
 
 
 def plan_sections(cfg):
-    return dict(model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train)
+    return dict(model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, plan_cfg=cfg.plan)
 
 
 def test_the_choice_is_the_fastest_layout_that_fits_and_the_runner_up_the_next():
@@ -79,7 +79,8 @@ def test_nothing_fits_is_one_line_with_the_plans_reason():
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith("parallel.layout=auto: none of the") and "of 8 ranks" in msg
-    assert "fits in 80.0 GiB per rank (H100)" in msg and "the leanest (dp " in msg
+    assert "fits in 72.0 of 80 GiB (H100; plan.memory_headroom 10% kept free) per rank" in msg
+    assert "the leanest (dp " in msg
     assert "recompute full" in msg  # the leanest layout recomputes everything, and still needs more
 
 
@@ -166,3 +167,23 @@ def test_auto_on_a_missing_gpu_is_the_runtimes_one_line():
     with pytest.raises(ConfigError, match="train.device='cuda' but no CUDA device is visible"):
         uses_cuda(TrainConfig(device="cuda"))
     assert uses_cuda(TrainConfig(device="auto")) is False
+
+
+def test_plan_keeps_memory_headroom_and_auto_honours_it():
+    # a device just larger than the fastest layout's need: a fit with nothing kept free, not with
+    # the default headroom (10%: the CUDA context, NCCL's buffers, the allocator's fragmentation)
+    cfg = load_config(M125, ["parallel.layout=auto", "train.micro_batch=16", "train.grad_accum=1"])
+    fastest = min(plan(8, H100, 8, **plan_sections(cfg)), key=lambda p: p.time.total_s)
+    dev = dataclasses.replace(H100, memory_gib=fastest.memory.total / GIB / 0.95)  # 95% full
+    none_kept = load_config(M125, ["parallel.layout=auto", "train.micro_batch=16", "train.grad_accum=1",
+                                   "plan.memory_headroom=0"])
+    assert cfg.plan.memory_headroom == 0.1
+    assert choose_layout(8, dev, 8, **sections(none_kept)).best.layout == fastest.layout
+    kept = [p for p in plan(8, dev, 8, **plan_sections(cfg)) if p.layout == fastest.layout]
+    assert not kept[0].fits
+    chosen = choose_layout(8, dev, 8, **sections(cfg)).best
+    assert chosen.layout != fastest.layout and chosen.memory.total <= 0.9 * dev.memory_gib * GIB
+    _, _, line = fit_layout(8, dev, 8, **sections(cfg))
+    assert f"{0.9 * dev.memory_gib:.1f} of {dev.memory_gib:g} GiB (H100; plan.memory_headroom 10% kept free)" in line
+    with pytest.raises(ConfigError, match=r"plan.memory_headroom=1.0 must be in \[0, 1\)"):
+        load_config(M125, ["plan.memory_headroom=1"])

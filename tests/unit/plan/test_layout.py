@@ -37,10 +37,11 @@ def test_no_layout_is_a_clear_error():
 def test_fit_warning():
     cfg = load_config(REPO / "configs/gpt-175b.yaml", ["parallel.tp=1", "parallel.pp=1"])
     warning = fit_warning(80 * 2**30, "NVIDIA H100 80GB HBM3", model_cfg=cfg.model, parallel=cfg.parallel,
-                          train=cfg.train)
-    assert warning is not None and "but NVIDIA H100 80GB HBM3 has 80.0 GiB" in warning
+                          train=cfg.train, plan_cfg=cfg.plan)
+    assert warning is not None and "but NVIDIA H100 80GB HBM3 has 72.0 of 80.0 GiB to give" in warning
     tiny = load_config(TINY)
-    assert fit_warning(80 * 2**30, "H100", model_cfg=tiny.model, parallel=tiny.parallel, train=tiny.train) is None
+    assert fit_warning(80 * 2**30, "H100", model_cfg=tiny.model, parallel=tiny.parallel, train=tiny.train,
+                       plan_cfg=tiny.plan) is None
 
 
 def test_cli_table_and_json():
@@ -49,7 +50,7 @@ def test_cli_table_and_json():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:4] == ["dp", "tp", "pp", "v"] and len(lines) == 5
-    assert "fit in 80 GiB (A100)" in lines[-1]
+    assert "fit in 72.0 of 80 GiB (A100; plan.memory_headroom 10% kept free)" in lines[-1]
     out = mshpc("plan", str(REPO / "configs/gpt-175b.yaml"), "--gpus", "256", "--json",
                 "--set", "train.grad_accum=768")
     rows = [json.loads(line) for line in out.stdout.splitlines()]
