@@ -1,10 +1,12 @@
 """Which Hugging Face architecture an mshpc model is, and the `config.json` of each way.
 
-Two architectures hold mshpc's models exactly: `LlamaForCausalLM` (RMSNorm, SwiGLU, serial
-blocks, grouped-query attention) and `GPTNeoXForCausalLM` (LayerNorm, GeLU, serial or parallel
-blocks). Both rotate q and k in the rotate-half pairing (x[i], x[i + hd/2]) that mshpc uses
-(kernels/reference.py `rope`), so no q/k rows are permuted: Llama's conversion script permutes
-only because Meta's original checkpoints pair (x[2i], x[2i+1]).
+Two families hold mshpc's dense models exactly: Llama's (RMSNorm, SwiGLU, serial blocks,
+grouped-query attention): `LlamaForCausalLM`, with Llama 3.1's rope scaling; `MistralForCausalLM`,
+the same with a sliding window; `Qwen2ForCausalLM`, the same with q, k and v biases; and
+`GPTNeoXForCausalLM` (LayerNorm, GeLU, serial or parallel blocks). All rotate q and k in the
+rotate-half pairing (x[i], x[i + hd/2]) that mshpc uses (kernels/reference.py `rope`), so no
+q/k rows are permuted: Llama's conversion script permutes only because Meta's original
+checkpoints pair (x[2i], x[2i+1]). Mixtures of experts: hf_moe.py.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from mshpc.errors import InteropError, shown
 from mshpc.interop.hf_moe import MOE_ARCHITECTURES, moe_architecture, moe_hf_config, moe_model_fields
 
 LLAMA = "LlamaForCausalLM"
+MISTRAL = "MistralForCausalLM"
+QWEN2 = "Qwen2ForCausalLM"
 NEOX = "GPTNeoXForCausalLM"
-ARCHITECTURES = (LLAMA, NEOX, *MOE_ARCHITECTURES)
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, NEOX, *MOE_ARCHITECTURES)
+LLAMA_FAMILY = (LLAMA, MISTRAL, QWEN2)  # one layout of weights: model.layers.N.self_attn.q_proj, ...
 
 # (model.norm, model.mlp, model.parallel_block) -> the architecture that computes exactly that
 SUPPORTED = {
@@ -54,25 +59,53 @@ def hf_architecture(m: ModelConfig) -> str:
         raise InteropError(f"model.norm={m.norm}, model.mlp={m.mlp}, model.parallel_block="
                            f"{str(m.parallel_block).lower()} has no transformers equivalent (nearest "
                            f"supported: {nearest})")
-    arch = SUPPORTED[key]
-    if m.sliding_window is not None:
-        raise InteropError(f"model.sliding_window={m.sliding_window}: {arch} has no sliding window "
-                           "(export a model trained with sliding_window: null)")
-    if arch == NEOX and m.kv_heads != m.n_head:
-        raise InteropError(f"model.n_kv_head={m.n_kv_head}: {NEOX} has no grouped-query attention "
-                           f"(choose n_kv_head null, or rmsnorm + swiglu -> {LLAMA})")
-    if arch == LLAMA and m.mlp_bias:
+    if SUPPORTED[key] == NEOX:
+        if m.sliding_window is not None:
+            raise InteropError(f"model.sliding_window={m.sliding_window}: {NEOX} has no sliding window "
+                               f"(export a model trained with sliding_window: null, or rmsnorm + swiglu -> {MISTRAL})")
+        if m.kv_heads != m.n_head:
+            raise InteropError(f"model.n_kv_head={m.n_kv_head}: {NEOX} has no grouped-query attention "
+                               f"(choose n_kv_head null, or rmsnorm + swiglu -> {LLAMA})")
+        return NEOX
+    if m.mlp_bias:
         raise InteropError(f"model.mlp_bias=true: mshpc exports {LLAMA} without MLP biases "
                            "(choose mlp_bias false)")
-    return arch
+    if m.qkv_bias:
+        return QWEN2  # (with a sliding window on every layer, if the model has one)
+    return MISTRAL if m.sliding_window is not None else LLAMA
+
+
+def _rope_json(m: ModelConfig) -> dict[str, Any]:
+    """The rope keys of config.json, as transformers 5 reads them (`rope_parameters`) and as 4.x
+    did (`rope_theta`, `rope_scaling`)."""
+    scaling = None
+    if m.rope_scaling == "llama3":
+        scaling = {"rope_type": "llama3", "factor": m.rope_factor, "low_freq_factor": m.rope_low_freq_factor,
+                   "high_freq_factor": m.rope_high_freq_factor,
+                   "original_max_position_embeddings": m.rope_original_seq_len}
+    params = {**(scaling or {"rope_type": "default"}), "rope_theta": m.rope_theta}
+    return {"rope_theta": m.rope_theta, "rope_scaling": scaling, "rope_parameters": params}
+
+
+def _llama_family_config(arch: str, m: ModelConfig) -> dict[str, Any]:
+    """The keys Llama, Mistral and Qwen2 share, and each one's own."""
+    common = {"num_key_value_heads": m.kv_heads, "head_dim": m.head_size, "hidden_act": "silu",
+              "rms_norm_eps": m.norm_eps, **_rope_json(m)}
+    if arch == MISTRAL:
+        return {**common, "model_type": "mistral", "sliding_window": m.sliding_window}
+    if arch == QWEN2:  # its q, k, v biases need no key; a window covers every layer (max_window_layers 0)
+        window = m.sliding_window is not None
+        return {**common, "model_type": "qwen2", "use_sliding_window": window, "sliding_window": m.sliding_window,
+                "max_window_layers": 0 if window else m.n_layer,
+                "layer_types": ["sliding_attention" if window else "full_attention"] * m.n_layer}
+    return {**common, "model_type": "llama", "attention_bias": False, "mlp_bias": False}
 
 
 def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
     """config.json for model `m` (weights of `dtype`, e.g. "float32"). Rope settings go both as
-    transformers 5 reads them (`rope_parameters`) and as 4.x did (`rope_theta`, `rotary_pct`,
-    `rotary_emb_base`), so either loads the same model."""
+    transformers 5 reads them (`rope_parameters`) and as 4.x did (`rope_theta`, `rope_scaling`,
+    `rotary_pct`, `rotary_emb_base`), so either loads the same model."""
     arch = hf_architecture(m)
-    head_dim = m.head_size
     common = {
         "architectures": [arch], "vocab_size": m.vocab_size, "hidden_size": m.d_model,
         "num_hidden_layers": m.n_layer, "num_attention_heads": m.n_head,
@@ -82,31 +115,15 @@ def hf_config(m: ModelConfig, dtype: str) -> dict[str, Any]:
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
     }
     if arch in MOE_ARCHITECTURES:
-        return moe_hf_config(arch, m, common)
-    if arch == LLAMA:
-        return {**common, "model_type": "llama", "num_key_value_heads": m.kv_heads, "head_dim": head_dim,
-                "hidden_act": "silu", "rms_norm_eps": m.norm_eps, "attention_bias": False, "mlp_bias": False,
-                "rope_theta": m.rope_theta, "rope_scaling": None,
-                "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
+        return {**moe_hf_config(arch, m, common), **_rope_json(m)}
+    if arch in LLAMA_FAMILY:
+        return {**common, **_llama_family_config(arch, m)}
     # mshpc rotates every head dim: rotary_pct 1.0 (GPT-NeoX's own default is 0.25)
+    rope = _rope_json(m)
     return {**common, "model_type": "gpt_neox", "hidden_act": "gelu_pytorch_tanh",
             "layer_norm_eps": m.norm_eps, "use_parallel_residual": m.parallel_block,
-            "attention_bias": True, "rotary_pct": 1.0, "rotary_emb_base": m.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
-                                "partial_rotary_factor": 1.0}}
-
-
-def _rope(hf: dict[str, Any], where: str) -> tuple[float, float]:
-    """(rope theta, fraction of head dims rotated) from either generation of config.json; an
-    InteropError for a rope scaling mshpc does not implement."""
-    params, scaling = _object(hf, where, "rope_parameters"), _object(hf, where, "rope_scaling")
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise InteropError(f"{where}: rope scaling {shown(kind)} is not implemented in mshpc "
-                           "(only plain RoPE, rope_type 'default')")
-    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
-    fraction = params.get("partial_rotary_factor", hf.get("rotary_pct", hf.get("partial_rotary_factor", 1.0)))
-    return _number({"rope_theta": theta}, where, "rope_theta"), _number({"rotary_pct": fraction}, where, "rotary_pct")
+            "attention_bias": True, "rotary_pct": 1.0, "rotary_emb_base": m.rope_theta, **rope,
+            "rope_parameters": {**rope["rope_parameters"], "partial_rotary_factor": 1.0}}
 
 
 def _object(hf: dict[str, Any], where: str, key: str) -> dict[str, Any]:
@@ -114,6 +131,27 @@ def _object(hf: dict[str, Any], where: str, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InteropError(f"{where}: config.json's {key}={shown(value)} is not an object")
     return value
+
+
+def _rope(hf: dict[str, Any], where: str) -> tuple[float, float, dict[str, Any]]:
+    """(rope theta, fraction of head dims rotated, the model fields of its scaling) from either
+    generation of config.json; an InteropError for a rope scaling mshpc does not implement."""
+    params, scaling = _object(hf, where, "rope_parameters"), _object(hf, where, "rope_scaling")
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind not in ("default", "llama3"):
+        raise InteropError(f"{where}: rope scaling {shown(kind)} is not implemented in mshpc "
+                           "(choose rope_type 'default' or 'llama3')")
+    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+    fraction = params.get("partial_rotary_factor", hf.get("rotary_pct", hf.get("partial_rotary_factor", 1.0)))
+    fields: dict[str, Any] = {}
+    if kind == "llama3":
+        source = {**scaling, **params}
+        fields = dict(rope_scaling="llama3", rope_factor=float(_number(source, where, "factor")),
+                      rope_low_freq_factor=float(_number(source, where, "low_freq_factor")),
+                      rope_high_freq_factor=float(_number(source, where, "high_freq_factor")),
+                      rope_original_seq_len=_count(source, where, "original_max_position_embeddings"))
+    return (float(_number({"rope_theta": theta}, where, "rope_theta")),
+            float(_number({"rotary_pct": fraction}, where, "rotary_pct")), fields)
 
 
 def _require(hf: dict[str, Any], where: str, key: str, ok: Any, want: str, default: Any = None) -> None:
@@ -138,15 +176,49 @@ def _count(hf: dict[str, Any], where: str, key: str, default: int | None = None)
     return value
 
 
-def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False) -> ModelConfig:
-    """The mshpc model of a Llama or GPT-NeoX config.json (`where` names it in errors);
-    `mlp_bias`: whether the checkpoint's MLP biases are to be kept (GPT-NeoX only)."""
+def _qwen2_window(hf: dict[str, Any], where: str, n_layer: int) -> int | None:
+    """Qwen2's sliding window as mshpc's (every layer or none): windows from layer
+    max_window_layers on, when use_sliding_window is set."""
+    if not _flag(hf, where, "use_sliding_window", False):
+        return None
+    window = _count(hf, where, "sliding_window")
+    first = int(_number(hf, where, "max_window_layers", 0))
+    if first >= n_layer:
+        return None
+    if first > 0:
+        raise InteropError(f"{where}: a sliding window on layers {first} to {n_layer - 1} only is not implemented "
+                           "in mshpc (its window covers every layer: max_window_layers 0)")
+    return window
+
+
+def _llama_family_fields(arch: str, hf: dict[str, Any], where: str, n_head: int, n_layer: int) -> dict[str, Any]:
+    """The model fields of a Llama, Mistral or Qwen2 config.json (or an MoE one's attention and
+    norms, Llama's) beyond the common ones."""
+    _require(hf, where, "hidden_act", ("silu",), "'silu'", default="silu")
+    _require(hf, where, "mlp_bias", (False, None), "mlp_bias false")
+    if arch != QWEN2:
+        _require(hf, where, "attention_bias", (False, None), "attention_bias false")
+    kv = _count(hf, where, "num_key_value_heads", n_head)
+    window = None
+    if arch == MISTRAL and hf.get("sliding_window") is not None:
+        window = _count(hf, where, "sliding_window")
+    elif arch == QWEN2:
+        window = _qwen2_window(hf, where, n_layer)
+    return dict(norm="rmsnorm", mlp="swiglu", parallel_block=False, n_kv_head=None if kv == n_head else kv,
+                norm_eps=float(_number(hf, where, "rms_norm_eps", 1e-6)), qkv_bias=arch == QWEN2,
+                sliding_window=window)
+
+
+def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False, qkv_bias: bool = False) -> ModelConfig:
+    """The mshpc model of a Llama, Mistral, Qwen2, GPT-NeoX or mixture-of-experts config.json
+    (`where` names it in errors); `mlp_bias`, `qkv_bias`: whether a GPT-NeoX checkpoint's MLP and
+    qkv biases are to be kept (Qwen2 always has qkv biases)."""
     archs = hf.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise InteropError(f"{where}: architecture {shown(arch)} is not supported (choose {' or '.join(ARCHITECTURES)})")
     d, n_head = _count(hf, where, "hidden_size"), _count(hf, where, "num_attention_heads")
-    theta, fraction = _rope(hf, where)
+    theta, fraction, rope_fields = _rope(hf, where)
     if fraction != 1.0:
         raise InteropError(f"{where}: rotary on {fraction:g} of each head is not implemented in mshpc "
                            "(it rotates every head dim: rotary_pct 1.0)")
@@ -160,19 +232,15 @@ def model_config(hf: dict[str, Any], where: str, mlp_bias: bool = False) -> Mode
         ffn_dim=_count(hf, where, "intermediate_size"),
         head_dim=None if head_dim * n_head == d else head_dim,
         rope_theta=theta, tie_embeddings=_flag(hf, where, "tie_word_embeddings", False),
-        init_std=float(_number(hf, where, "initializer_range", 0.02)))
+        init_std=float(_number(hf, where, "initializer_range", 0.02)), **rope_fields)
     if arch in MOE_ARCHITECTURES:
         fields.update(moe_model_fields(arch, hf, where, fields["n_layer"]))
-    if arch == LLAMA or arch in MOE_ARCHITECTURES:
-        _require(hf, where, "hidden_act", ("silu",), "'silu'", default="silu")
-        _require(hf, where, "attention_bias", (False, None), "attention_bias false")
-        _require(hf, where, "mlp_bias", (False, None), "mlp_bias false")
-        kv = _count(hf, where, "num_key_value_heads", n_head)
-        fields.update(norm="rmsnorm", mlp="swiglu", parallel_block=False, norm_eps=float(_number(hf, where, "rms_norm_eps", 1e-6)),
-                      n_kv_head=None if kv == n_head else kv)
+    if arch in LLAMA_FAMILY or arch in MOE_ARCHITECTURES:
+        fields.update(_llama_family_fields(arch, hf, where, n_head, fields["n_layer"]))
     else:
         _require(hf, where, "hidden_act", TANH_GELUS, f"GeLU's tanh form: {' or '.join(TANH_GELUS)}")
-        fields.update(norm="layernorm", mlp="gelu", norm_eps=float(_number(hf, where, "layer_norm_eps", 1e-5)), mlp_bias=mlp_bias,
+        fields.update(norm="layernorm", mlp="gelu", norm_eps=float(_number(hf, where, "layer_norm_eps", 1e-5)),
+                      mlp_bias=mlp_bias, qkv_bias=qkv_bias,
                       parallel_block=_flag(hf, where, "use_parallel_residual", True))
     return ModelConfig(**fields)
 

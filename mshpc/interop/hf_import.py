@@ -20,7 +20,7 @@ from torch import nn
 from mshpc.config import Config, ModelConfig, dump_yaml, from_dict
 from mshpc.errors import ConfigError, InteropError
 from mshpc.interop.hf_arch import model_config
-from mshpc.interop.hf_names import from_hf
+from mshpc.interop.hf_names import HfTensors, from_hf
 from mshpc.interop.safetensors_files import read_safetensors
 from mshpc.model.gpt import GPT
 from mshpc.regular_files import read_regular
@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 # What must agree between train.init_from's config.json and the config's model (seq_len, dropout,
 # init and kernels may differ: they change no weight and no function of the weights).
 SAME = ("vocab_size", "n_layer", "n_head", "d_model", "ffn_width", "kv_heads", "norm", "mlp",
-        "parallel_block", "tie_embeddings", "norm_eps", "rope_theta", "head_size", "qk_norm")
+        "parallel_block", "tie_embeddings", "norm_eps", "rope_theta", "head_size", "qk_norm", "qkv_bias",
+        "sliding_window", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+        "rope_original_seq_len")
 # and of a mixture of experts, what shapes its weights and how they compute (not its training knobs)
 SAME_MOE = ("n_experts", "top_k", "expert_ffn_dim", "n_shared_experts", "shared_expert_gate", "router",
             "norm_topk_prob", "first_dense_layers", "every")
@@ -60,14 +62,20 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return data
 
 
+def _nonzero(src: HfTensors, part: str) -> bool:
+    """Whether any bias of a GPT-NeoX checkpoint whose name holds `part` is not all zeros."""
+    return any(src.get(n).count_nonzero() for n in sorted(src.names) if part in n and n.endswith(".bias"))
+
+
 def hf_model_config(hf_dir: Path) -> ModelConfig:
     """The mshpc model of the Hugging Face folder `hf_dir`, whose safetensors files must open;
-    with MLP biases when a GPT-NeoX checkpoint's are not all zero."""
+    with MLP (qkv) biases when a GPT-NeoX checkpoint's are not all zero."""
     m = checked_model(model_config(read_hf_config(hf_dir), str(hf_dir)), str(hf_dir))
     with read_safetensors(hf_dir) as src:
-        biases = sorted(n for n in src.names if ".mlp.dense_" in n and n.endswith(".bias"))
-        nonzero = m.mlp == "gelu" and any(src.get(n).count_nonzero() for n in biases)
-    return dataclasses.replace(m, mlp_bias=True) if nonzero else m
+        if m.mlp != "gelu":  # GPT-NeoX's biases may be zeros: kept only where they are not
+            return m
+        return dataclasses.replace(m, mlp_bias=_nonzero(src, ".mlp.dense_"),
+                                   qkv_bias=_nonzero(src, ".attention.query_key_value"))
 
 
 def checked_model(m: ModelConfig, where: str) -> ModelConfig:
@@ -109,7 +117,7 @@ def load_hf_weights(model: nn.Module, m: ModelConfig, hf_dir: Path) -> None:
     """Copy the weights of the Hugging Face folder `hf_dir` into `model`, a whole GPT of `m`;
     an InteropError when the folder's model is not `m` or a tensor's shape differs."""
     hf = read_hf_config(hf_dir)
-    hf_m = model_config(hf, str(hf_dir), m.mlp_bias)
+    hf_m = model_config(hf, str(hf_dir), m.mlp_bias, m.qkv_bias)
     check_same_model(m, hf_m, hf_dir)
     arch = hf["architectures"][0]
     with read_safetensors(hf_dir) as src:

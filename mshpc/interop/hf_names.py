@@ -1,7 +1,8 @@
 """Whole weights between mshpc's names and layouts and Hugging Face's, both ways.
 
 mshpc keeps one fused `attn.qkv.weight` with rows [q heads; k heads; v heads] and, for SwiGLU, one
-`mlp.fc.weight` with rows [gate; up]. Llama splits them into q/k/v_proj and gate/up_proj.
+`mlp.fc.weight` with rows [gate; up]. Llama (and Mistral, and Qwen2, whose q/k/v_proj have
+biases: mshpc's `attn.qkv.bias`, [q; k; v] alike) splits them into q/k/v_proj and gate/up_proj.
 GPT-NeoX fuses qkv too but interleaves it per head, rows [q_h; k_h; v_h] for each head h (its
 attention views the output as (heads, 3 * head_dim)), and it has biases in attention and MLP:
 zeros where mshpc has none. A weight tied to the embedding is written once, as transformers'
@@ -16,7 +17,7 @@ import torch
 
 from mshpc.config import ModelConfig
 from mshpc.errors import InteropError
-from mshpc.interop.hf_arch import LLAMA
+from mshpc.interop.hf_arch import LLAMA_FAMILY
 from mshpc.interop.hf_moe import MOE_ARCHITECTURES, moe_layer_from_hf, moe_layer_to_hf
 
 Weights = dict[str, torch.Tensor]
@@ -58,7 +59,7 @@ def _neox_layer(w: Weights, m: ModelConfig, i: int) -> Weights:
         h + "post_attention_layernorm.weight": w[p + post + ".weight"].clone(),
         h + "post_attention_layernorm.bias": w[p + post + ".bias"].clone(),
         h + "attention.query_key_value.weight": neox_qkv(w[p + "attn.qkv.weight"], m),
-        h + "attention.query_key_value.bias": zeros(3 * d),
+        h + "attention.query_key_value.bias": neox_qkv(w[p + "attn.qkv.bias"], m) if m.qkv_bias else zeros(3 * d),
         h + "attention.dense.weight": w[p + "attn.proj.weight"], h + "attention.dense.bias": zeros(d),
         h + "mlp.dense_h_to_4h.weight": w[p + "mlp.fc.weight"],
         h + "mlp.dense_h_to_4h.bias": w.get(p + "mlp.fc_bias", zeros(ffn)),
@@ -78,6 +79,9 @@ def _llama_attention(w: Weights, m: ModelConfig, i: int) -> Weights:
     }
     if m.qk_norm:
         out.update({h + "self_attn.q_norm.weight": w[p + "attn.q_norm"], h + "self_attn.k_norm.weight": w[p + "attn.k_norm"]})
+    if m.qkv_bias:
+        for x, b in zip("qkv", w[p + "attn.qkv.bias"].split(_qkv_sizes(m)), strict=True):
+            out[h + f"self_attn.{x}_proj.bias"] = b.clone()
     return out
 
 
@@ -97,7 +101,7 @@ def to_hf(arch: str, m: ModelConfig, w: Weights) -> Weights:
         for i in range(m.n_layer):
             out.update({**_llama_attention(w, m, i), **moe_layer_to_hf(arch, w, m, i)})
         return out
-    if arch == LLAMA:
+    if arch in LLAMA_FAMILY:
         out = _outer(w, m, "model.embed_tokens.weight", "model.norm", "lm_head.weight")
         layer = _llama_layer
     else:
@@ -167,9 +171,11 @@ class HfTensors:
 
 def _llama_attention_weights(src: HfTensors, m: ModelConfig, i: int) -> Weights:
     h, p = f"model.layers.{i}.", f"layers.{i}."
-    for x in "qkvo":  # Qwen2-MoE's q/k/v biases (qkv_bias) carry nothing only when zero
-        src.zero(h + f"self_attn.{x}_proj.bias", "mshpc's attention has no biases")
-    out = {
+    # Qwen2's q/k/v biases are the model's (qkv_bias); elsewhere (Qwen2-MoE) they must be zero
+    biases = {p + "attn.qkv.bias": torch.cat([src.take(h + f"self_attn.{x}_proj.bias") for x in "qkv"])} if m.qkv_bias else {}
+    for x in "o" if m.qkv_bias else "qkvo":
+        src.zero(h + f"self_attn.{x}_proj.bias", "mshpc's attention has no biases there (model.qkv_bias=false)")
+    out = {**biases,
         p + "ln_1.weight": src.take(h + "input_layernorm.weight"),
         p + "ln_2.weight": src.take(h + "post_attention_layernorm.weight"),
         p + "attn.qkv.weight": torch.cat([src.take(h + f"self_attn.{x}_proj.weight") for x in "qkv"]),
@@ -199,9 +205,11 @@ def _neox_weights(src: HfTensors, m: ModelConfig, i: int) -> Weights:
     elif any(not torch.equal(v, out[p + "ln_1." + k]) for k, v in post.items()):
         raise InteropError(f"{src.where}: layer {i}'s two layer norms differ; mshpc's parallel block has "
                            "one (use_parallel_residual with shared norms only)")
-    no_bias = "mshpc's attention has no biases"
-    src.zero(h + "attention.query_key_value.bias", no_bias)
-    src.zero(h + "attention.dense.bias", no_bias)
+    if m.qkv_bias:
+        out[p + "attn.qkv.bias"] = mshpc_qkv(src.take(h + "attention.query_key_value.bias"), m)
+    else:
+        src.zero(h + "attention.query_key_value.bias", "the config has model.qkv_bias=false")
+    src.zero(h + "attention.dense.bias", "mshpc's attention output projection has no bias")
     out[p + "attn.qkv.weight"] = mshpc_qkv(src.take(h + "attention.query_key_value.weight"), m)
     out[p + "attn.proj.weight"] = src.take(h + "attention.dense.weight")
     out[p + "mlp.fc.weight"] = src.take(h + "mlp.dense_h_to_4h.weight")
@@ -218,7 +226,7 @@ def from_hf(arch: str, m: ModelConfig, src: HfTensors) -> Weights:
     """`to_hf`'s inverse: the whole mshpc weights of model `m` from a checkpoint of `arch`;
     an InteropError for a missing tensor, one with no place in mshpc, or a nonzero bias mshpc lacks."""
     src.expect(hf_shapes(arch, m))  # before any tensor is read: none of another size is
-    llama = arch == LLAMA or arch in MOE_ARCHITECTURES
+    llama = arch in LLAMA_FAMILY or arch in MOE_ARCHITECTURES
     embed, norm = ("model.embed_tokens", "model.norm") if llama else ("gpt_neox.embed_in", "gpt_neox.final_layer_norm")
     out = {"tok_embeddings.weight": src.take(embed + ".weight"), "norm.weight": src.take(norm + ".weight")}
     if not llama:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from typing import cast
 
@@ -17,17 +18,36 @@ from mshpc.kernels.dispatch import select_kernels
 log = logging.getLogger(__name__)
 
 
+def llama3_scaled(inv_freq: torch.Tensor, m: ModelConfig) -> torch.Tensor:
+    """Llama 3.1's rope scaling (Meta's release; transformers' `rope_type: llama3`): frequencies
+    whose wavelength exceeds rope_original_seq_len / low_freq_factor are divided by rope_factor,
+    those under rope_original_seq_len / high_freq_factor kept, the band between blended linearly
+    in original_seq_len / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    old = m.rope_original_seq_len
+    low, high = m.rope_low_freq_factor, m.rope_high_freq_factor
+    scaled = torch.where(wavelen > old / low, inv_freq / m.rope_factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / m.rope_factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
+
+
 def rope_cache(
     seq_len: int,
     head_dim: int,
     theta: float,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    scaling: ModelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, each (seq_len, head_dim // 2), of the rotary angles p * theta^(-2i/d)
-    (Su et al. 2021, RoFormer eq. 15); computed in float64 so long positions stay accurate."""
+    (Su et al. 2021, RoFormer eq. 15), frequencies scaled as `scaling.rope_scaling` says;
+    computed in float64 so long positions stay accurate."""
     dims = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64)
     inv_freq = theta ** -(dims / head_dim)
+    if scaling is not None and scaling.rope_scaling == "llama3":
+        inv_freq = llama3_scaled(inv_freq, scaling)
     positions = torch.arange(seq_len, device=device, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)  # (s, hd/2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -126,14 +146,14 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         # Rows are [q; k; v] (n_head, n_kv_head, n_kv_head heads) with heads contiguous, so a
         # tensor-parallel shard of each part keeps the layout that forward reads.
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * self.head_dim, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * self.head_dim, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=False)
         # Qwen3's per-head RMSNorm of q and k (weights over head_dim, shared by the heads)
         self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if cfg.qk_norm else None
         self.norm_eps = cfg.norm_eps
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        cos, sin = rope_cache(cfg.seq_len, self.head_dim, cfg.rope_theta)
+        cos, sin = rope_cache(cfg.seq_len, self.head_dim, cfg.rope_theta, scaling=cfg)
         # Non-persistent: derived from the config, so checkpoints hold parameters only.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

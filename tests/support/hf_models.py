@@ -18,6 +18,17 @@ NEOX_PARALLEL = ModelConfig(**TINY, norm="layernorm", mlp="gelu", parallel_block
 LLAMA_GQA = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=2, ffn_dim=48, tie_embeddings=False,
                         rope_theta=500000.0, norm_eps=1e-6)
 LLAMA_MQA_TIED = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=1)
+# Qwen2/2.5: q, k, v biases, tied (its small models), RoPE base 1e6
+QWEN2 = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=2, ffn_dim=48, qkv_bias=True, rope_theta=1e6,
+                    norm_eps=1e-6)
+MISTRAL = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=2, ffn_dim=48, sliding_window=8,
+                      tie_embeddings=False)
+# Llama 3.1's rope scaling, its bands scaled down to these 32 positions: head dim 8 at base
+# 500000 has wavelengths 6.3, 167, 4440 and 118,000 positions; against 16 original ones, the
+# first is in the blended band (4 to 16), the others above it
+LLAMA31 = ModelConfig(**TINY, norm="rmsnorm", mlp="swiglu", n_kv_head=2, ffn_dim=48, tie_embeddings=False,
+                      rope_theta=500000.0, rope_scaling="llama3", rope_factor=8.0, rope_original_seq_len=16)
+LLAMA32 = ModelConfig(**{**LLAMA31.__dict__, "rope_factor": 32.0, "tie_embeddings": True})  # 3.2: factor 32, tied
 
 
 def tokens(m: ModelConfig, batch: int = 2, seed: int = 0) -> torch.Tensor:

@@ -6,11 +6,15 @@ import json
 import pytest
 import torch
 from support.hf_models import (
+    LLAMA31,
+    LLAMA32,
     LLAMA_GQA,
     LLAMA_MQA_TIED,
     MAX_RELATIVE_DIFF,
+    MISTRAL,
     NEOX_PARALLEL,
     NEOX_SERIAL,
+    QWEN2,
     checkpoint_run,
     hf_logits,
     mshpc_logits,
@@ -39,7 +43,12 @@ def _drawn(m, seed=0):
     (NEOX_SERIAL, "GPTNeoXForCausalLM"), (NEOX_PARALLEL, "GPTNeoXForCausalLM"),
     (dataclasses.replace(NEOX_SERIAL, mlp_bias=True), "GPTNeoXForCausalLM"),
     (LLAMA_GQA, "LlamaForCausalLM"), (LLAMA_MQA_TIED, "LlamaForCausalLM"),
-], ids=["neox-serial-untied", "neox-parallel-tied", "neox-mlp-bias", "llama-gqa-untied", "llama-mqa-tied"])
+    (QWEN2, "Qwen2ForCausalLM"), (dataclasses.replace(QWEN2, sliding_window=8), "Qwen2ForCausalLM"),
+    (MISTRAL, "MistralForCausalLM"), (LLAMA31, "LlamaForCausalLM"), (LLAMA32, "LlamaForCausalLM"),
+    (dataclasses.replace(NEOX_PARALLEL, qkv_bias=True), "GPTNeoXForCausalLM"),
+], ids=["neox-serial-untied", "neox-parallel-tied", "neox-mlp-bias", "llama-gqa-untied", "llama-mqa-tied",
+        "qwen2-qkv-bias", "qwen2-window", "mistral-window", "llama3.1-rope-scaling", "llama3.2-rope-scaling",
+        "neox-qkv-bias"])
 def test_exported_model_computes_mshpc_logits(tmp_path, m, arch):
     model = _drawn(m)
     weights = {n: p.detach() for n, p in model.named_parameters()}
@@ -87,8 +96,9 @@ def test_unsupported_combination_names_the_nearest_supported(changes, nearest):
     assert "\n" not in str(err.value)
 
 
-def test_export_refuses_a_sliding_window_and_a_used_folder(tmp_path):
-    with pytest.raises(InteropError, match="sliding_window=8"):
+def test_export_refuses_a_neox_sliding_window_and_a_used_folder(tmp_path):
+    with pytest.raises(InteropError, match=r"sliding_window=8: GPTNeoXForCausalLM has no sliding window .* rmsnorm "
+                                           r"\+ swiglu -> MistralForCausalLM"):
         hf_architecture(dataclasses.replace(NEOX_SERIAL, sliding_window=8))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf/keep.txt").write_text("mine")
@@ -103,8 +113,9 @@ def test_cli_export_of_an_unsupported_model_stops_with_one_line(tmp_path, capsys
 
     from mshpc.cli import USER_ERROR_EXIT, main
 
-    (tmp_path / "run").mkdir()  # tiny.yaml: rmsnorm + gelu + parallel block, no checkpoint needed to say so
-    (tmp_path / "run/config.yaml").write_text((REPO / "configs/tiny.yaml").read_text())
+    (tmp_path / "run").mkdir()  # rmsnorm + gelu + parallel block: no checkpoint needed to say so
+    (tmp_path / "run/config.yaml").write_text((REPO / "configs/tiny.yaml").read_text().replace(
+        "norm: layernorm", "norm: rmsnorm"))
     assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "out")]) == USER_ERROR_EXIT
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("mshpc: error: InteropError: model.norm=rmsnorm, model.mlp=gelu, model.parallel_block=true "
@@ -161,3 +172,22 @@ def test_export_names_a_config_that_is_not_the_runs(tmp_path):
     with pytest.raises(InteropError, match=r"model/tok_embeddings.weight is \[97, 32\] but the config's model has "
                                            r"\[97, 64\]; is the config the run's\?"):
         export_hf(folder, tmp_path / "hf", config=other)
+
+
+@pytest.mark.parametrize("name, arch", [
+    ("tiny", "GPTNeoXForCausalLM"), ("gpt-125m", "GPTNeoXForCausalLM"), ("gpt-1.3b", "GPTNeoXForCausalLM"),
+    ("gpt-175b", "GPTNeoXForCausalLM"), ("llama3-8b", "LlamaForCausalLM"), ("llama3-70b", "LlamaForCausalLM"),
+    (None, "GPTNeoXForCausalLM"),
+])
+def test_every_shipped_config_and_the_defaults_export_and_keep_checkpoints(name, arch):
+    from support.cli_runner import REPO
+
+    from mshpc.config import load_config
+    from mshpc.interop.hf_arch import hf_config
+
+    cfg = load_config(REPO / f"configs/{name}.yaml" if name else None)
+    assert hf_architecture(cfg.model) == arch
+    config = hf_config(cfg.model, "bfloat16")
+    if name == "gpt-175b":  # the paper's: LayerNorm + GeLU + the parallel block, as GPT-NeoX's parallel residual
+        assert (cfg.model.norm, cfg.model.mlp, config["use_parallel_residual"]) == ("layernorm", "gelu", True)
+    assert cfg.checkpoint.interval_steps > 0  # and every run saves at its end

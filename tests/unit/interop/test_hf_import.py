@@ -7,7 +7,16 @@ import warnings
 import pytest
 import torch
 from support.hf_models import MAX_RELATIVE_DIFF, checkpoint_run, hf_logits, mshpc_logits, relative_diff
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from mshpc.config import load_config
 from mshpc.errors import InteropError
@@ -23,7 +32,7 @@ def _save(hf_model, path, same_norms=False, mlp_biases=False):
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
-            if "norm" in name or (mlp_biases and ".mlp." in name and name.endswith("bias")):
+            if "norm" in name or "_proj.bias" in name or (mlp_biases and ".mlp." in name and name.endswith("bias")):
                 p.add_(torch.randn_like(p) * 0.1)
         if same_norms:  # a parallel block has one norm in mshpc: both of NeoX's the same
             for layer in hf_model.gpt_neox.layers:
@@ -43,6 +52,20 @@ def llama(**extra):
     return LlamaForCausalLM(LlamaConfig(**SHAPE, num_key_value_heads=2, rope_theta=500000.0, **extra))
 
 
+def qwen2(**extra):
+    return Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=True,
+                                        **extra))
+
+
+def mistral(**extra):
+    return MistralForCausalLM(MistralConfig(**SHAPE, num_key_value_heads=2, sliding_window=8, **extra))
+
+
+# Llama 3.1's and 3.2's rope scaling, bands scaled to these 32 positions (support/hf_models.LLAMA31)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+
 def _imported_logits(tmp_path, hf_dir, idx):
     cfg = import_config(hf_dir, tmp_path / "imported.yaml")
     reloaded = load_config(tmp_path / "imported.yaml")
@@ -60,7 +83,32 @@ def test_imported_model_computes_transformers_logits(tmp_path, make, parallel, m
     idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
     cfg, got = _imported_logits(tmp_path, hf_dir, idx)
     assert cfg.model.parallel_block is parallel and cfg.model.mlp_bias is mlp_biases
+    assert cfg.checkpoint.interval_steps == 500  # an imported config keeps checkpoints, as the defaults do
     assert relative_diff(got, hf_logits(hf_dir, idx)) <= MAX_RELATIVE_DIFF
+
+
+@pytest.mark.parametrize("make, expect", [
+    (lambda: qwen2(), dict(qkv_bias=True, tie_embeddings=True, rope_theta=1e6, sliding_window=None)),
+    (lambda: qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0), dict(qkv_bias=True, sliding_window=8)),
+    (lambda: mistral(), dict(sliding_window=8, qkv_bias=False)),
+    (lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE)),
+     dict(rope_scaling="llama3", rope_factor=8.0, rope_original_seq_len=16, rope_theta=500000.0)),
+    (lambda: LlamaForCausalLM(LlamaConfig(**SHAPE, num_key_value_heads=2, tie_word_embeddings=True,
+                                          rope_parameters={**LLAMA3_ROPE, "factor": 32.0})),
+     dict(rope_scaling="llama3", rope_factor=32.0)),
+], ids=["qwen2", "qwen2-window", "mistral-window", "llama3.1-rope-scaling", "llama3.2-rope-scaling"])
+def test_imported_qwen2_mistral_and_llama3_scaling_compute_transformers_logits(tmp_path, make, expect):
+    hf_dir = _save(make(), tmp_path / "hf")
+    idx = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(1))
+    cfg, got = _imported_logits(tmp_path, hf_dir, idx)
+    assert {k: getattr(cfg.model, k) for k in expect} == expect
+    assert relative_diff(got, hf_logits(hf_dir, idx)) <= MAX_RELATIVE_DIFF
+
+
+def test_import_refuses_a_qwen2_window_on_some_layers_only(tmp_path):
+    hf_dir = _save(qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1), tmp_path / "hf")
+    with pytest.raises(InteropError, match="a sliding window on layers 1 to 1 only is not implemented in mshpc"):
+        import_config(hf_dir, tmp_path / "out.yaml")
 
 
 def _config_json(hf_dir, **changes):
@@ -71,10 +119,10 @@ def _config_json(hf_dir, **changes):
 
 @pytest.mark.parametrize("changes, message", [
     (dict(architectures=["GPT2LMHeadModel"]),
-     "architecture 'GPT2LMHeadModel' is not supported (choose LlamaForCausalLM or GPTNeoXForCausalLM or "
-     "MixtralForCausalLM or Qwen2MoeForCausalLM or Qwen3MoeForCausalLM)"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}),
-     "rope scaling 'llama3' is not implemented in mshpc"),
+     "architecture 'GPT2LMHeadModel' is not supported (choose LlamaForCausalLM or MistralForCausalLM or "
+     "Qwen2ForCausalLM or GPTNeoXForCausalLM or MixtralForCausalLM or Qwen2MoeForCausalLM or Qwen3MoeForCausalLM)"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}),
+     "rope scaling 'yarn' is not implemented in mshpc (choose rope_type 'default' or 'llama3')"),
     (dict(hidden_act="relu"), "hidden_act='relu' is not implemented in mshpc"),
     (dict(hidden_size="32"), "config.json's hidden_size='32' is not a whole number from 1 to 1099511627776"),
     (dict(rope_scaling={"type": "linear", "factor": 2.0}, rope_parameters=None),
@@ -98,7 +146,7 @@ def test_import_refuses_partial_rotary_and_attention_biases(tmp_path):
     biased = _save(model, tmp_path / "b")
     cfg = import_config(biased, tmp_path / "out.yaml")
     with pytest.raises(InteropError, match=r"gpt_neox.layers.1.attention.dense.bias is not zero, and mshpc's "
-                                           "attention has no biases"):
+                                           "attention output projection has no bias"):
         initial_model(cfg.model, cfg.train.init_from)
 
 

@@ -9,7 +9,7 @@ from mshpc.config import ModelConfig
 from mshpc.errors import ConfigError
 from mshpc.model.gpt import GPT, RMSNorm, loss_fn
 
-TINY = ModelConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16)
+TINY = ModelConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=16, norm="rmsnorm")
 
 
 def tiny(**overrides) -> GPT:

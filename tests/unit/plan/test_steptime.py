@@ -54,7 +54,7 @@ def test_zero_communication_by_hand():
     # busbw factor (n-1)/n = 1/2 over the NVLink busbw
     dev = device_spec("h100", intra_gbps=100.0)
     lay = layout(dp=2, pp=8)
-    params = 12 * 226_504_704 + 12_288 + 98_304_000
+    params = 12 * 226_516_992 + 24_576 + 98_304_000
     no_overlap = dataclasses.replace(CFG, parallel=dataclasses.replace(CFG.parallel, dp_overlap=False))
     assert dp_exposed_s(*sections(no_overlap), lay, dev, 16, mb_s=1.0) == pytest.approx(2 * 4 * params * 0.5 / 100e9)
     # overlapped behind a long enough micro-batch, none of it is exposed
