@@ -6,12 +6,17 @@ import contextlib
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from mshpc.config import RunConfig
 from mshpc.errors import RunEnvironmentError, writing_to
-from mshpc.regular_files import open_regular, read_text_lines, write_own
+from mshpc.events import open_for_append, read_jsonl
+from mshpc.regular_files import write_own
+
+METRICS_FILE = "metrics.jsonl"
+ATTEMPT_KEY = "attempt"  # a marker line's key: {"attempt": n, "start_step": s, "time": t}
 
 
 def run_path(run: RunConfig) -> Path:
@@ -26,31 +31,38 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _records_up_to(path: Path, step: int) -> list[str]:
-    kept = []
-    for line in read_text_lines(path, keepends=True):
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except ValueError:
-            continue  # a line torn by a crash mid-write
-    return kept
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of metrics.jsonl's final history: each attempt's marker drops the rows of the
+    steps after its start (trained again, or by an earlier run of the same name), so a step's
+    row is the one of the attempt whose weights went on. Torn lines are skipped."""
+    rows: list[dict[str, Any]] = []
+    for record in read_jsonl(path):
+        if ATTEMPT_KEY in record:
+            rows = [r for r in rows if r.get("step", 0) <= record.get("start_step", 0)]
+        elif "step" in record:
+            rows.append(record)
+    return rows
+
+
+def read_attempts(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's attempt markers, in order."""
+    return [r for r in read_jsonl(path) if ATTEMPT_KEY in r]
 
 
 class MetricsLog:
     """Appends one JSON object per logged step to metrics.jsonl, flushed at once so that a
-    crash loses nothing already logged. A full disk is a RunEnvironmentError naming the file."""
+    crash loses nothing already logged. Nothing is ever truncated: each attempt (a restart, a
+    resume, a new run of the same name) first appends its marker, which `read_metrics` reads
+    the final history by. A full disk is a RunEnvironmentError naming the file."""
 
     def __init__(self, path: Path, start_step: int) -> None:
-        # A fresh run starts a fresh file; a resumed one keeps the records up to its checkpoint
-        # and drops those of steps it will train again.
-        kept = _records_up_to(path, start_step) if start_step > 0 else []
         self.path, self._failed = path, False
+        self.attempt = len(read_attempts(path)) + 1
+        marker = {ATTEMPT_KEY: self.attempt, "start_step": start_step, "time": time.time()}
         with writing_to(path):
-            fd = open_regular(path, os.O_WRONLY | os.O_CREAT, 0o644, own=True)  # not through a planted link
-            os.ftruncate(fd, 0)
-            self._file: TextIO = os.fdopen(fd, "w")
-            self._file.writelines(kept)
+            # O_APPEND through open_regular: never through a planted link, never another user's file
+            self._file: TextIO = os.fdopen(open_for_append(path), "a")  # a torn last line ended first
+            self._file.write(json.dumps(marker) + "\n")
             self._file.flush()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -78,4 +90,4 @@ def create_run_dir(path: Path, config_yaml: str, start_step: int = 0) -> Metrics
     with writing_to(path / "config.yaml"):
         path.mkdir(parents=True, exist_ok=True)
         write_own(path / "config.yaml", config_yaml)
-    return MetricsLog(path / "metrics.jsonl", start_step)
+    return MetricsLog(path / METRICS_FILE, start_step)

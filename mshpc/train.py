@@ -290,7 +290,8 @@ def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks, ke
     torch.manual_seed(cfg.train.seed + info.rank)
     run_dir = run_path(cfg.run)
     ckpt = TrainCheckpointer(checkpoint_root(cfg.checkpoint, run_dir), info.rank, engine, scheduler, run_dir=run_dir,
-                             config_hash=config_hash(cfg), checkpoint=cfg.checkpoint, parallel=cfg.parallel,
+                             config_hash=config_hash(cfg), config_record=to_dict(cfg), checkpoint=cfg.checkpoint,
+                             parallel=cfg.parallel,
                              train=cfg.train, data=cfg.data, model_cfg=cfg.model, before_commit=faults.before_commit)
     start_step = 0 if restore else ckpt.resume()
     state = TrainState(engine, scheduler)

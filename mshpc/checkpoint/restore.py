@@ -79,6 +79,10 @@ def _try(folder: Path, stage: Stage, group: dist.ProcessGroup
         if reader is not None:
             reader.close()
         return None, None, None, str(exc)
+    except BaseException:  # a refusal (another model, another run): no older checkpoint is tried
+        if reader is not None:
+            reader.close()
+        raise
 
 
 def resume_from(folders: list[Path], stage: Stage, group: dist.ProcessGroup) -> tuple[Path, Catalog] | None:
@@ -91,7 +95,7 @@ def resume_from(folders: list[Path], stage: Stage, group: dist.ProcessGroup) -> 
         errors = [e for e in comm.all_gather_json(error, group=group) if e]
         if errors:
             if dist.get_rank(group) == 0:  # one voice for the whole job
-                    log.warning("checkpoint %s is unusable, trying an older one: %s", folder, errors[0])
+                    log.warning("checkpoint %s is damaged or incomplete, trying an older one: %s", folder, errors[0])
             problems.append(errors[0])
             continue
         assert catalog is not None and reader is not None and install is not None

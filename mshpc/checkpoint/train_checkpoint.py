@@ -11,7 +11,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mshpc.checkpoint.catalog import Catalog
+from mshpc.checkpoint.catalog import Catalog, open_catalog
+from mshpc.checkpoint.compat import (
+    CONFIG_KEY,
+    ResumeMismatchError,
+    check_resume,
+    check_weight_names,
+    other_run_on_fresh_start,
+    shape_mismatch,
+)
 from mshpc.checkpoint.group_read import load_for_group
 from mshpc.checkpoint.model_copy import repair_on_resume
 from mshpc.checkpoint.paths import remove_stale_tmp
@@ -34,6 +42,7 @@ from mshpc.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConf
 from mshpc.errors import CheckpointError
 from mshpc.events import append_event
 from mshpc.mesh_shape import Coords, MeshShape
+from mshpc.model.gpt import GPT
 from mshpc.parallel import comm
 from mshpc.parallel.apply import tp_splits
 from mshpc.parallel.expert_parallel import expert_placement
@@ -58,16 +67,19 @@ def build_dp_group(p: ParallelConfig, world: dist.ProcessGroup) -> dist.ProcessG
 
 class TrainCheckpointer:
     """Collective over the world: every rank calls `resume`, `save` (on the steps `schedule`
-    names) and `close` alike. Checkpoints go under `root`, events to `run_dir`; `config_hash` is
-    recorded with each."""
+    names) and `close` alike. Checkpoints go under `root`, events to `run_dir`; `config_hash` and
+    `config_record` (the resolved config as plain data, config.to_dict) are recorded with each, and
+    a resume compares them with the checkpoint's (compat.py)."""
 
     def __init__(self, root: Path, rank: int, engine: ZeroEngine, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                 *, run_dir: Path, config_hash: str, checkpoint: CheckpointConfig, parallel: ParallelConfig,
-                 train: TrainConfig, data: DataConfig, model_cfg: ModelConfig,
+                 *, run_dir: Path, config_hash: str, config_record: dict[str, Any], checkpoint: CheckpointConfig,
+                 parallel: ParallelConfig, train: TrainConfig, data: DataConfig, model_cfg: ModelConfig,
                  before_commit: Callable[[int], None] = lambda step: None) -> None:
         self.root, self.run_dir, self.rank, self.world_size = root, run_dir, rank, parallel.world_size
         self.engine, self.optimizer, self.scheduler = engine, engine.optimizer, scheduler
         self.parallel, self.resume_from, self.async_save = parallel, train.resume, checkpoint.async_save
+        self.config_hash, self.config_record, self.model_cfg = config_hash, config_record, model_cfg
+        self.shared_dir = checkpoint.dir is not None  # set, so perhaps shared with other runs
         # where the data stream stands after a step: a resume with other settings reads other windows
         self.data_position = {"seed": data.seed, "global_batch": global_batch(train, parallel),
                               "seq_len": model_cfg.seq_len}
@@ -80,6 +92,7 @@ class TrainCheckpointer:
         self.saver = CheckpointSaver(target, rank, self.group, checkpoint.async_save, before_commit)
         self.schedule = SaveSchedule.of(checkpoint=checkpoint, train=train)
         self._restored: dict[str, int] = {}  # what the last restore's stage read and received
+        self._changes: list[str] = []  # the settings changed since the checkpoint being resumed
         self._stage1_wait_s: float | None = None  # how long the last update waited for a save's stage 1
         self._splits = tp_splits(engine.model)  # how tp cut this stage (empty at tp=1), for resharding
         # every stage's rules go into the manifest, which rank 0 writes from a stage of its own
@@ -94,6 +107,7 @@ class TrainCheckpointer:
             "scheduler": self.scheduler.state_dict(),
             "group_lrs": [g["lr"] for g in self.optimizer.param_groups],
             "data": self.data_position,
+            CONFIG_KEY: self.config_record,  # what a resume compares itself with (compat.py)
         }
         if self._all_splits:
             extras[SPLITS_KEY] = dict(sorted(self._all_splits.items()))  # another tp joins and re-cuts by them
@@ -159,6 +173,7 @@ class TrainCheckpointer:
         """Install the checkpoint `train.resume` names; return the step to continue from."""
         mode = self.resume_from
         if mode == "never":
+            self._check_fresh_start()
             return 0
         if mode == "auto":
             if self.rank == 0:
@@ -179,6 +194,20 @@ class TrainCheckpointer:
         self._restored["manifest_bytes_parsed"] = catalog.bytes_parsed  # the index and this rank's entries
         self._report_restore(catalog.head.step, seconds, time.perf_counter() - start)
         return catalog.head.step
+
+    def _check_fresh_start(self) -> None:
+        """train.resume never in a set checkpoint.dir: refuse when its newest checkpoint is another
+        run's, whose checkpoints this run's saves would prune. Every rank reads the same head."""
+        folders = candidates(self.root) if self.shared_dir else []
+        if not folders:
+            return
+        try:
+            extras = open_catalog(folders[0]).head.extras
+        except CheckpointError:
+            return  # unreadable: not evidence of another run
+        error = other_run_on_fresh_start(folders[0], extras, config_record=self.config_record)
+        if error is not None:
+            raise error
 
     def _repair_model_copy(self, folder: Path, catalog: Catalog) -> None:
         """Collective over all ranks: the checkpoint just taken is trusted only with its model/
@@ -210,8 +239,7 @@ class TrainCheckpointer:
         for piece in self.engine.pieces:
             shape = relayout.shape(reader, f"master/{piece.key}")
             if shape != piece.shape:
-                raise CheckpointError(f"{reader.folder}: master/{piece.key} has shape {shape}, "
-                                      f"the model {piece.shape}")
+                raise shape_mismatch(reader.folder, f"master/{piece.key}", shape, piece.shape)
             for prefix in ("master", *(f"optim.{k}" for k in STATE_KEYS)):
                 out += relayout.requests(reader, (f"{prefix}/{piece.key}", piece.start, piece.tensor.numel()))
         out.append(("optim.step", 0, 1))
@@ -225,8 +253,9 @@ class TrainCheckpointer:
         cache, each byte read by one rank of its dp group (group_read.py), so installing it
         cannot fail half-way."""
         extras = reader.catalog.head.extras
+        self._check_compatible(reader)
         same_world = extras.get("world_size") == self.world_size
-        requests, error, relayout = [], None, Relayout(1, 1, 0)
+        requests, error, mismatch, relayout = [], None, None, Relayout(1, 1, 0)
         scheduler: dict[str, Any] = {}
         lrs: list[float] = []
         try:
@@ -236,8 +265,14 @@ class TrainCheckpointer:
             relayout = Relayout.build(reader, self.parallel.tp, self.engine.mp.tp_rank, self._splits,
                                       self.engine.mp.tied)
             requests = self._requests(reader, relayout, same_world)
+        except ResumeMismatchError as exc:
+            mismatch = str(exc)
         except CheckpointError as exc:
             error = str(exc)
+        # a stage's weight of another shape is seen by that stage's ranks only: all learn of it
+        mismatches = [m for m in comm.all_gather_json(mismatch, group=self.group) if m]
+        if mismatches:
+            raise ResumeMismatchError(mismatches[0])
         load_for_group(reader, requests, self.dp_group, error)
         rng = stage_rng(reader, rng_names(reader, self.rank, same_world))
         buffers = {n: reader.read_whole(f"buffer/{n}") for n in persistent_buffers(self.engine.model)}
@@ -257,12 +292,25 @@ class TrainCheckpointer:
             self.scheduler.load_state_dict(scheduler)
             for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
                 group["lr"] = lr
+            if self._changes and self.rank == 0:
+                log.info("resuming %s with changed settings: %s", reader.folder.name, "; ".join(self._changes))
             if extras.get("data") != self.data_position:
                 log.warning("data settings changed since the checkpoint (%s -> %s): the data order "
                             "from here on differs from the original run's", extras.get("data"),
                             self.data_position)
 
         return install
+
+    def _check_compatible(self, reader: CheckpointReader) -> None:
+        """Refuse, on every rank alike (all read the same head), a checkpoint of another model
+        or of another run sharing checkpoint.dir; note the settings that changed since it."""
+        head = reader.catalog.head
+        self._changes = check_resume(reader.folder, head.config_hash, head.extras, config_hash=self.config_hash,
+                                     config_record=self.config_record, model_cfg=self.model_cfg)
+        if CONFIG_KEY not in head.extras:
+            with torch.device("meta"):
+                names = {n for n, _ in GPT(self.model_cfg).named_parameters(remove_duplicate=False)}
+            check_weight_names(reader.folder, reader.catalog.names(), self.model_cfg, names)
 
     def _report_restore(self, step: int, seconds: float, model_check_s: float) -> None:
         """Collective over all ranks: rank 0 logs the restore and appends one event with what

@@ -74,6 +74,8 @@ class PreemptionWatcher:
         self._previous: dict[int, Any] = {}
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and "SIGINT" in self.signals:
+            raise KeyboardInterrupt  # Ctrl-C twice: stop now, as without a handler
         self.received = max(self.received, self.wants[signum])
         self.signals.append(signal.Signals(signum).name)
 
@@ -127,8 +129,9 @@ def watch_signals(env: LaunchEnv, *, slurm: SlurmConfig, run_dir: Path, checkpoi
     """Install the handlers: the preempt signal asks for checkpoint + requeue; under MPI also USR1
     (MPICH's mpiexec forwards no other; the template translates); under Slurm, SIGTERM (scancel,
     the time limit) asks for checkpoint + stop while Slurm's KillWait lasts; under mshpc's
-    supervisor, STOP_REQUEST_SIGNAL does (the supervisor was told to stop, or is gone). A requeue
-    is guarded by `slurm`'s budget, counted in `run_dir` against the newest checkpoint in `checkpoints`."""
+    supervisor, STOP_REQUEST_SIGNAL does (the supervisor was told to stop, or is gone); SIGINT
+    (Ctrl-C) does everywhere, and a second SIGINT stops at once. A requeue is guarded by `slurm`'s
+    budget, counted in `run_dir` against the newest checkpoint in `checkpoints`."""
     wants = {signal.Signals["SIG" + slurm.preempt_signal].value: _REQUEUE}
     if env.launcher == "mpi":
         wants[signal.SIGUSR1.value] = _REQUEUE
@@ -136,6 +139,7 @@ def watch_signals(env: LaunchEnv, *, slurm: SlurmConfig, run_dir: Path, checkpoi
         wants[signal.SIGTERM.value] = _STOP
     if env.supervisor is not None:
         wants.setdefault(STOP_REQUEST_SIGNAL.value, _STOP)
+    wants.setdefault(signal.SIGINT.value, _STOP)
     watcher = PreemptionWatcher(env, wants, slurm=slurm, run_dir=run_dir, checkpoints=checkpoints)
     watcher.install()
     return watcher

@@ -8,7 +8,6 @@ marker the job writes), never from a pickle: submitit's own result files are not
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import re
 import time
@@ -22,7 +21,7 @@ from mshpc.checkpoint.paths import checkpoint_root
 from mshpc.config import Config, SlurmConfig, SupervisorConfig, dump_yaml, load_config
 from mshpc.errors import ConfigError, LaunchError, shown
 from mshpc.launch.requeue import finished_by, latest_checkpoint_step, mark_finished
-from mshpc.run_dir import run_path
+from mshpc.run_dir import METRICS_FILE, read_metrics, run_path
 
 CLUSTERS = ("slurm", "local")
 SIGNAL_DELAY_S = 120  # the pre-timeout signal comes this long before the limit (sbatch --signal)
@@ -195,7 +194,7 @@ class Job:
             lines = [line for line in self.log(0).splitlines() if line.strip()]
             why = f": {lines[-1].strip()}" if lines else ""
             raise LaunchError(f"job {self.job_id} ended ({self.state}) without finishing {self.run_dir}{why}")
-        records = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = read_metrics(self.run_dir / METRICS_FILE)
         last = records[-1] if records else {}
         return RunResult(run_dir=self.run_dir, steps=last.get("step", 0), final_loss=last.get("loss"))
 

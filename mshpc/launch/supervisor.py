@@ -14,7 +14,6 @@ signal), then `run_end` and a last line; no restart follows.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import signal
 import socket
@@ -38,6 +37,7 @@ from mshpc.launch.recovery import NodePool, PastFailure, Verdict, classify
 from mshpc.launch.requeue import STOP_REQUEST_SIGNAL, JobStopped, latest_checkpoint_step
 from mshpc.launch.stop_signals import stop_signals_to
 from mshpc.mesh_shape import MeshShape
+from mshpc.run_dir import METRICS_FILE, read_metrics
 from mshpc.run_lock import hold_run_lock
 
 log = logging.getLogger(__name__)
@@ -468,7 +468,7 @@ class Supervisor:
 
     def _end(self, outcome: str, code: int) -> int:
         wall = time.time() - self.tally.started_wall
-        useful = useful_step_seconds(self.run_dir / "metrics.jsonl", self.tally.trained_from)
+        useful = useful_step_seconds(self.run_dir / METRICS_FILE, self.tally.trained_from)
         t = self.tally
         self.event("run_end", outcome=outcome, exit_code=code, wall_s=wall, useful_s=useful,
                    effective_time_ratio=useful / wall if wall > 0 else None, failures=len(t.failures),
@@ -485,17 +485,13 @@ class Supervisor:
 def useful_step_seconds(metrics: Path, trained_from: int | None) -> float:
     """Seconds of the steps that count: those this run trained, after `trained_from` (the lowest
     step its attempts resumed at; None: it trained none), not an earlier run's in the same folder.
-    metrics.jsonl keeps only the steps of the final history (a resume drops the ones trained
+    Only the steps of the final history count (`read_metrics`: a resume drops the ones trained
     after the checkpoint); a record stands for the steps since the previous one
     (run.log_interval_steps)."""
-    if trained_from is None or not metrics.exists():
+    if trained_from is None:
         return 0.0
     total, previous = 0.0, trained_from
-    for line in metrics.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
+    for record in read_metrics(metrics):
         if record["step"] > trained_from:
             total += (record["step"] - previous) * (record.get("step_time_s") or 0.0)
             previous = record["step"]

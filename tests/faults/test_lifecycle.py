@@ -36,8 +36,7 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout_s:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"the run ended early with {proc.returncode}"
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+        if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= steps:
             return
         time.sleep(0.1)
     raise AssertionError(f"no {steps} steps within {timeout_s} s")
@@ -106,6 +105,24 @@ def test_sigterm_stops_the_ranks_after_a_checkpoint_and_ends_the_run(stopped):
     assert stopped["last"] == (f"mshpc: stopped by SIGTERM; latest checkpoint: step {last_step} "
                                "(the same command resumes from it)")
     print(f"SIGTERM to exit: {stopped['stop_s']:.1f} s")
+
+
+def test_ctrl_c_stops_the_ranks_after_a_checkpoint_as_sigterm_does(tmp_path, corpus_cache):
+    """Ctrl-C in the terminal of `mshpc train --nproc 2` (SIGINT to the supervisor; its ranks run in
+    a session of their own): a checkpoint at the next step, exit 130 and the same last line."""
+    proc, err = start(tmp_path, corpus_cache, "c", *SUPERVISED, *LONG)
+    try:
+        wait_for_steps(proc, tmp_path / "c", STEPS_BEFORE_SIGNAL)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    last_step = read_metrics(tmp_path / "c")[-1]["step"]
+    assert code == 128 + signal.SIGINT, err.read_text()[-3000:]
+    assert (tmp_path / "c" / "checkpoints" / f"step-{last_step:07d}" / "manifest.json").is_file()
+    assert last_line(err) == (f"mshpc: stopped by SIGINT; latest checkpoint: step {last_step} "
+                              "(the same command resumes from it)")
+    assert one(events(tmp_path / "c"), "stop_requested")["signal"] == "SIGINT"
 
 
 @pytest.fixture(scope="module")

@@ -53,7 +53,7 @@ def test_corrupt_latest_checkpoint_before_the_restart(reference, tmp_path, corpu
     evs = events(tmp_path / "r")
     corrupted = next(e for e in evs if e["kind"] == "fault_injected" and e["fault"] == "corrupt_latest")
     assert corrupted["target"] == "step-0000004"
-    assert "step-0000004 is unusable, trying an older one" in out.stderr
+    assert "step-0000004 is damaged or incomplete, trying an older one" in out.stderr
     assert [e["from_step"] for e in evs if e["kind"] == "resumed"] == [0, 2]  # fell back past step 4
     assert one(evs, "restart")["latest_checkpoint"] == 4
     assert_recovered_exactly(tmp_path / "r", reference)

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import mshpc
-from support.cli_runner import REPO, SMALL
+from support.cli_runner import REPO, SMALL, read_metrics
 from mshpc.config import load_config
 from mshpc.errors import ConfigError
 
@@ -62,7 +62,7 @@ def test_cli_submit_waits_and_reports_the_run(slurm_cluster, tmp_path, corpus_ca
                           "--time", "5", "--wait"], capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines()[-1] == f"finished {tmp_path / 'runs/t'}: step 2, loss " + \
-        str(json.loads((tmp_path / "runs/t/metrics.jsonl").read_text().splitlines()[-1])["loss"])
+        str(read_metrics(tmp_path / "runs/t")[-1]["loss"])
 
 
 @pytest.mark.xfail(not WIRED, run=False, reason="mshpc/train.py does not poll mshpc.launch.requeue yet")
@@ -71,10 +71,10 @@ def test_a_preempted_array_task_requeues_itself_and_finishes(slurm, steps_for, t
     cfgs = [load_config(CONFIG, overrides(tmp_path, corpus_cache, f"train.steps={n}", name=f"p{i}")) for i in range(2)]
     jobs = mshpc.submit_sweep(cfgs, nodes=1, tasks_per_node=1, time=5)
     metrics = jobs[1].run_dir / "metrics.jsonl"
-    slurm.wait_until("training", lambda: metrics.exists() and metrics.read_text().count("\n") > 0)
+    slurm.wait_until("training", lambda: metrics.exists() and len(read_metrics(metrics.parent)) > 0)
     subprocess.run(["scancel", "--signal=USR2", jobs[1].job_id], check=True)  # as Slurm before a limit
     results = [j.result(timeout_s=240) for j in jobs]
     assert [r.steps for r in results] == [n, n]
     assert f"requeued Slurm job {jobs[1].job_id}" in jobs[1].log(0)  # ARRAYJOB_TASK, not the whole array
     assert slurm.info(jobs[1].job_id)["Restarts"] == "1" and slurm.info(jobs[0].job_id)["Restarts"] == "0"
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, n + 1))
+    assert [r["step"] for r in read_metrics(metrics.parent)] == list(range(1, n + 1))

@@ -28,9 +28,8 @@ def steps(run: Path) -> list[int]:
 
 
 def lines_logged(run: Path) -> int:
-    """Metrics lines so far, read safely while the job appends to the file."""
-    path = run / "metrics.jsonl"
-    return path.read_text().count("\n") if path.exists() else 0
+    """Steps logged so far, read safely while the job appends to the file (a torn line is skipped)."""
+    return len(read_metrics(run)) if (run / "metrics.jsonl").exists() else 0
 
 
 def test_two_nodes_by_srun_finish_with_metrics(two_node_run):

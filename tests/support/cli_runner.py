@@ -1,6 +1,5 @@
 """Run the real `mshpc` command from tests and read what it leaves behind."""
 
-import json
 import os
 import subprocess
 import sys
@@ -31,4 +30,7 @@ def train_args(tmp_path: Path, cache: Path, *overrides: str, name: str = "t") ->
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The run's final history of rows (each attempt's marker drops the steps trained again)."""
+    from mshpc.run_dir import read_metrics as final_rows
+
+    return final_rows(run_dir / "metrics.jsonl")

@@ -42,7 +42,7 @@ def test_truncated_shard_falls_back_and_names_the_file(straight, tmp_path, corpu
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     out = run(tmp_path, corpus_cache, "t")
-    assert "step-0000008 is unusable, trying an older one" in out.stderr
+    assert "step-0000008 is damaged or incomplete, trying an older one" in out.stderr
     assert "shard-00000.h5" in out.stderr
     assert "resumed from step 4" in out.stderr
     assert_same_final_model(straight / "straight" / "checkpoints", root)

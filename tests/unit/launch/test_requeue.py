@@ -91,3 +91,14 @@ def test_outside_slurm_sigterm_keeps_its_default_and_stop_raises_system_exit(one
         with pytest.raises(rq.JobStopped) as stopped:
             watcher.stop(request, 0)  # not under Slurm: nothing to requeue, just stop
     assert isinstance(stopped.value, SystemExit) and stopped.value.code == 128 + signal.SIGUSR1
+
+
+def test_ctrl_c_asks_for_a_stop_checkpoint_and_a_second_one_stops_at_once(one_rank, tmp_path):
+    # a rank outside any supervisor (`mshpc train` of one process): Ctrl-C as SIGTERM is under Slurm
+    with rq.watch_signals(read_launch_env({}), slurm=SlurmConfig(), run_dir=tmp_path,
+                          checkpoints=tmp_path / "checkpoints") as watcher:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert watcher.should_stop() == rq.StopRequest(signal.SIGTERM, requeue=False)  # checkpoint, then exit
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored

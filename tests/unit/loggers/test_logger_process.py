@@ -17,7 +17,7 @@ from mshpc.errors import RunEnvironmentError
 from mshpc.events import append_event, read_jsonl
 from mshpc.loggers.logger_process import LOST_EVENT, LoggerProcess, start_logger_process, tasks
 from mshpc.loggers.sinks import build_loggers
-from mshpc.run_dir import MetricsLog
+from mshpc.run_dir import MetricsLog, read_metrics
 from tests.support.waiting import wait_until
 
 TB = ["run.loggers=[jsonl,tensorboard]"]
@@ -85,7 +85,7 @@ def test_a_niced_logger_process_that_dies_costs_one_warning_not_the_run(tmp_path
     assert len(warned) == 1 and "exited with code -9" in warned[0], warned
     lost = [r for r in read_jsonl(tmp_path / "events.jsonl") if r["kind"] == LOST_EVENT]
     assert len(lost) == 1 and "exited with code -9" in lost[0]["why"]
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 11))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, 11))
 
 
 def test_a_logger_process_that_does_not_start_in_time_is_one_line(tmp_path: Path) -> None:

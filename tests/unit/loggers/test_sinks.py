@@ -15,7 +15,7 @@ from mshpc.config import load_config, to_dict
 from mshpc.errors import RunEnvironmentError
 from mshpc.events import append_event, read_jsonl
 from mshpc.loggers.sinks import EventTail, Loggers, build_loggers
-from mshpc.run_dir import MetricsLog
+from mshpc.run_dir import MetricsLog, read_metrics
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -46,7 +46,7 @@ def test_rows_reach_every_logger_and_events_are_handed_on_once(tmp_path: Path) -
     loggers.write({"step": 2, "loss": 4.0})
     loggers.close()
     assert rec.rows == [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}]
-    assert read_jsonl(tmp_path / "metrics.jsonl") == rec.rows
+    assert read_metrics(tmp_path / "metrics.jsonl") == rec.rows
     assert rec.events == [("supervisor_start", 1), ("straggler", 2)]
     # the next attempt hands on what the supervisor wrote in between, and nothing again
     append_event(tmp_path, "failure_detected")
