@@ -18,9 +18,11 @@ from torch import nn
 
 from mshpc.batch import Batch
 from mshpc.config import DataConfig, EvalConfig, ModelConfig, ParallelConfig, TrainConfig, global_batch
+from mshpc.data.blend import BlendSampler
+from mshpc.data.sampler import SequenceSampler
 from mshpc.data.shards import TokenDataset
 from mshpc.data.sources import DataSources
-from mshpc.data.window_reader import WindowReader
+from mshpc.data.window_reader import WindowReader, WindowSampler
 from mshpc.model.gpt import loss_fn
 from mshpc.parallel import comm
 from mshpc.parallel.apply import LossFn
@@ -105,17 +107,20 @@ class Evaluator:
     """Built by `build_evaluator`; `evaluate()` is collective over the world."""
 
     def __init__(self, reader: WindowReader, dp_rank: int, engine: ZeroEngine, score: ScoreFn,
-                 device: torch.device, *, eval_cfg: EvalConfig, parallel: ParallelConfig, train: TrainConfig) -> None:
+                 device: torch.device, *, eval_cfg: EvalConfig, parallel: ParallelConfig, train: TrainConfig,
+                 batches: int, warning: str | None = None) -> None:
         self.reader, self.dp_rank = reader, dp_rank
         self.engine, self.score, self.device = engine, score, device
-        self.interval_steps, self.batches, self.micro_batch = eval_cfg.interval_steps, eval_cfg.batches, train.micro_batch
+        # batches: eval.batches, or fewer where the split holds fewer (eval_batches); warning: why, for rank 0
+        self.interval_steps, self.batches, self.micro_batch = eval_cfg.interval_steps, batches, train.micro_batch
+        self.warning = warning
         # pp: only last stages hold a loss, so over the world; else every rank of a dp group
         # has the same tp-reduced loss, so over the dp group
         self._group = None if parallel.pp > 1 else engine.group
         micros = train.grad_accum  # micro-batches per dp rank and batch
         # losses summed over: batches x micro-batches x dp ranks (x tp ranks on the last pp
         # stage, where the world all-reduce adds each tp rank's copy of the loss)
-        self._terms = eval_cfg.batches * micros * parallel.dp * (parallel.tp if parallel.pp > 1 else 1)
+        self._terms = batches * micros * parallel.dp * (parallel.tp if parallel.pp > 1 else 1)
 
     def due(self, steps_done: int) -> bool:
         """After the step that made it `steps_done` steps: every eval.interval_steps-th."""
@@ -142,6 +147,31 @@ class Evaluator:
         self.reader.close()
 
 
+def held_out_windows(sampler: WindowSampler) -> int:
+    """The windows of the held-out split (a blend's: every source's)."""
+    if isinstance(sampler, BlendSampler):
+        return sum(s.n_windows for s in sampler.samplers)
+    assert isinstance(sampler, SequenceSampler), sampler  # DataSources.sampler makes one of the two
+    return sampler.n_windows
+
+
+def eval_batches(n_windows: int, global_batch: int, wanted: int, seq_len: int) -> tuple[int, str | None]:
+    """How many global batches an evaluation scores so that no window counts twice: eval.batches,
+    or as many whole batches as the split holds; and the line that says why, when fewer (one
+    batch, some windows in it twice, when the split is smaller than one batch)."""
+    whole = n_windows // global_batch
+    if whole >= wanted:
+        return wanted, None
+    held = (f"the held-out split has {n_windows} windows of {seq_len + 1} tokens, fewer than eval.batches x "
+            f"the global batch = {wanted} x {global_batch}")
+    if whole == 0:
+        return 1, (f"validation: {held}: each evaluation scores 1 batch of {global_batch} windows, only "
+                   f"{n_windows} of them distinct (the rest repeats); hold out more text (mshpc prepare "
+                   "--val-fraction, --val)")
+    return whole, (f"validation: {held}: each evaluation scores {whole} batch{'es' if whole > 1 else ''} "
+                   f"({whole * global_batch} windows, none twice) instead of {wanted}")
+
+
 def build_evaluator(mesh: Mesh, engine: ZeroEngine, val: TokenDataset | DataSources, device: torch.device,
                     autocast: torch.dtype | None, *, eval_cfg: EvalConfig, model_cfg: ModelConfig,
                     parallel: ParallelConfig, train: TrainConfig, data: DataConfig) -> Evaluator:
@@ -162,4 +192,7 @@ def build_evaluator(mesh: Mesh, engine: ZeroEngine, val: TokenDataset | DataSour
         dtype = next(engine.model.parameters()).dtype
         chunks: list[nn.Module] = list(stage_chunks(engine.model, shape, mesh.coords.pp))  # type: ignore[arg-type]
         score = PipeForward(chunks, shape, mesh.coords.pp, links.ranks, links.groups, act_shape, dtype, loss, cast)
-    return Evaluator(reader, mesh.coords.dp, engine, score, device, eval_cfg=eval_cfg, parallel=parallel, train=train)
+    batches, warning = eval_batches(held_out_windows(sampler), global_batch(train, parallel), eval_cfg.batches,
+                                    model_cfg.seq_len)
+    return Evaluator(reader, mesh.coords.dp, engine, score, device, eval_cfg=eval_cfg, parallel=parallel, train=train,
+                     batches=batches, warning=warning)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from mshpc.batch import Batch
-from mshpc.checkpoint.paths import checkpoint_root
+from mshpc.checkpoint.paths import checkpoint_root, committed_steps, latest_step
 from mshpc.checkpoint.train_checkpoint import TrainCheckpointer
 from mshpc.config import (
     Config,
@@ -34,6 +34,7 @@ from mshpc.cpu_ranks.tunings import select_cpu_tunings
 from mshpc.data.loader import BatchLoader
 from mshpc.data.node_reader import ReaderScope
 from mshpc.data.pipeline import build_loader
+from mshpc.data.sampler import SequenceSampler
 from mshpc.data.sources import DataSources, adopt_tokenizer, log_blend, open_sources, source_paths
 from mshpc.data.tokenizer_dir import describe, record_tokenizer
 from mshpc.diagnose.collector import Collector, build_collector
@@ -67,7 +68,7 @@ from mshpc.parallel.zero import ZeroEngine
 from mshpc.phases import BACKWARD, CHECKPOINT, COMPILE, DATA, EVAL, FORWARD, STEP
 from mshpc.plan.auto_layout import fit_layout, host_memory_bytes, rank_device_spec, smallest_over_world
 from mshpc.plan.report import fit_warning, memory_refusal
-from mshpc.progress import Progress
+from mshpc.progress import Kept, Progress, summary_lines
 from mshpc.run_dir import create_run_dir, run_path
 from mshpc.save_schedule import SaveSchedule
 from mshpc.snapshot.keeper import SnapshotKeeper, StepGuard
@@ -226,8 +227,11 @@ def build_eval(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, engine: Zer
     if cfg.eval.interval_steps == 0:
         return None
     val = open_sources(cfg.data, source_paths(cfg.data), "val", info.rank == 0, cfg.model.vocab_size)
-    return build_evaluator(mesh, engine, val, rt.device, rt.autocast_dtype, eval_cfg=cfg.eval, model_cfg=cfg.model,
-                           parallel=cfg.parallel, train=cfg.train, data=cfg.data)
+    evaluator = build_evaluator(mesh, engine, val, rt.device, rt.autocast_dtype, eval_cfg=cfg.eval,
+                                model_cfg=cfg.model, parallel=cfg.parallel, train=cfg.train, data=cfg.data)
+    if evaluator.warning is not None and info.rank == 0:
+        log.warning(evaluator.warning)
+    return evaluator
 
 
 def open_loggers(cfg: Config, info: DistInfo, start_step: int) -> tuple[Path | None, Loggers | None]:
@@ -239,6 +243,9 @@ def open_loggers(cfg: Config, info: DistInfo, start_step: int) -> tuple[Path | N
         try:
             run_dir = run_path(cfg.run)
             metrics = create_run_dir(run_dir, dump_yaml(cfg), start_step)
+            p = cfg.parallel
+            append_event(run_dir, "train_start", attempt=metrics.attempt, start_step=start_step,
+                         world=info.world_size, layout={"dp": p.dp, "tp": p.tp, "pp": p.pp})
             out = run_dir, build_loggers(run_dir, metrics, start_step, run=cfg.run, config_record=to_dict(cfg))
         except MshpcError as exc:
             error = exc
@@ -267,6 +274,7 @@ class Parts:
     guard: StepGuard | None = None  # the replay of suspicious steps (recovery.replay)
 
     def close(self) -> None:
+        self.progress.close()
         self.diag.close()
         self.loader.close()
         if self.evaluator is not None:
@@ -305,7 +313,7 @@ def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks, ke
     log_dir, loggers = open_loggers(cfg, info, start_step)
     diag = build_collector(run_dir, info.rank, info.node, rt.device, start_step, rt.peak_tflops,
                            diagnose=cfg.diagnose, model_cfg=cfg.model, parallel=cfg.parallel)
-    progress = Progress(cfg.train.steps, cfg.run.progress if info.rank == 0 else "none")
+    progress = build_progress(cfg, info, start_step)
     return Parts(engine, step_fn, scheduler, ckpt, start_step, loader, evaluator, loggers, log_dir, diag, progress,
                  load, state, keeper, guard)
 
@@ -371,8 +379,17 @@ def run_training(cfg: Config, info: DistInfo, rt: Runtime, watcher: PreemptionWa
     finally:
         parts.close()
     if parts.run_dir is not None:
-        log.info("run directory: %s", parts.run_dir)
+        kept = kept_checkpoints(cfg, parts.run_dir)
+        for line in summary_lines(parts.progress.tally, cfg.train.steps, parts.progress.elapsed_s(),
+                                  cfg.global_batch * cfg.model.seq_len, parts.run_dir, kept):
+            log.info(line)
     return losses
+
+
+def kept_checkpoints(cfg: Config, run_dir: Path) -> Kept:
+    """The checkpoints the run leaves, for its summary."""
+    root = checkpoint_root(cfg.checkpoint, run_dir)
+    return Kept(root, latest_step(root), len(committed_steps(root)))
 
 
 def optimizer_step(cfg: Config, parts: Parts, batch: Batch, step: int, beat: Heartbeat, faults: FaultHooks,
@@ -430,7 +447,9 @@ def report_step(cfg: Config, parts: Parts, rt: Runtime, world_size: int, done: i
             "ckpt_stage1_wait_s": figures.stage1_wait_s, "max_memory_gib": max_memory_gib(rt),
             **figures.validation, **figures.compiled, **figures.experts,
         })
-    parts.progress.update(done, figures.loss, tokens_per_s, step_mfu)
+    parts.progress.update(done, figures.loss, tokens_per_s, step_mfu, figures.lr)
+    if figures.validation:
+        parts.progress.validation(done - 1, figures.validation)
 
 
 def stop_if_asked(watcher: PreemptionWatcher, ckpt: TrainCheckpointer, done: int, rank: int) -> None:
@@ -462,6 +481,21 @@ def report_restored(restored: Restored, seconds: float, cfg: Config) -> None:
                  problems=list(restored.problems))
     log.info("recovered in place: every rank restored its snapshot of step %d in %.2f s%s", restored.step, seconds,
              f" ({'; '.join(restored.problems)})" if restored.problems else "")
+
+
+def build_progress(cfg: Config, info: DistInfo, start_step: int) -> Progress:
+    """Rank 0's console (run.progress), with the dataset's windows for its epoch notices; the
+    other ranks show nothing. After build_data, which prepares the embedded corpus."""
+    if info.rank != 0:
+        return Progress(cfg.train.steps, "none", start_step=start_step)
+    data = open_sources(cfg.data, source_paths(cfg.data), "train", False, cfg.model.vocab_size)
+    try:  # a blend's epochs are its sources' own (log_blend says them at the start): no notice
+        sampler = data.sampler(cfg.model.seq_len, cfg.global_batch, cfg.data.seed)
+        windows = sampler.n_windows if isinstance(sampler, SequenceSampler) else None
+    finally:
+        data.close()
+    return Progress(cfg.train.steps, cfg.run.progress, start_step=start_step, windows_per_epoch=windows,
+                    global_batch=cfg.global_batch)
 
 
 def settle_save_in_flight(ckpt: TrainCheckpointer, beat: Heartbeat) -> None:

@@ -14,10 +14,11 @@ from mshpc.config import DiagnoseConfig, ModelConfig, ParallelConfig, load_confi
 from mshpc.diagnose.mfu import achieved_tflops
 from mshpc.diagnose.stragglers import Straggler, detect, individual_scores, relative_scores
 from mshpc.diagnose.timers import CATEGORIES
-from mshpc.diagnose.timings import RankInfo, Timings, read_timings
+from mshpc.diagnose.timings import TIMINGS_DIR, RankInfo, Timings, read_timings
 from mshpc.errors import MshpcError
-from mshpc.events import read_events, read_jsonl
+from mshpc.events import read_events
 from mshpc.mesh_shape import Coords, MeshShape
+from mshpc.run_dir import METRICS_FILE, read_metrics
 
 WARMUP_STEPS = 1  # the first step allocates, builds buckets and fills caches: not the run's pace
 
@@ -55,8 +56,9 @@ class Analysis:
     timings: Timings | None
     ranks: list[RankSummary]  # slowest (lowest relative score) first
     phase_share: dict[str, float]  # phase -> fraction of the median rank's step time
-    stragglers: list[Straggler]  # flagged at the last step
+    stragglers: list[Straggler]  # flagged at the last step, below diagnose.straggler_warn_below
     flags: list[Straggler]  # every flag the detector raised over the run
+    earlier_layout_ranks: int = 0  # ranks whose timings are of an earlier layout only (left out)
 
     @property
     def steady_columns(self) -> np.ndarray:
@@ -137,17 +139,24 @@ def analyse(run_dir: Path) -> Analysis:
     if not (run_dir / "config.yaml").is_file():
         raise DiagnoseError(f"{run_dir} is not a run directory (no config.yaml; give runs/<run.name>)")
     cfg = load_config(run_dir / "config.yaml")
-    timings = read_timings(run_dir)
+    p = cfg.parallel
+    # the last layout's ranks only: a run resumed at another layout left other ranks' files too
+    timings = read_timings(run_dir, MeshShape(pp=p.pp, dp=p.dp, tp=p.tp))
+    files = len(list((run_dir / TIMINGS_DIR).glob("rank-*.jsonl")))
     ranks: list[RankSummary] = []
     share: dict[str, float] = {}
     stragglers: list[Straggler] = []
     flags: list[Straggler] = []
     if timings is not None:
         detector, flags = detect(timings, cfg.diagnose)
-        stragglers = detector.current()
+        # a flag above the floor is noise (events.jsonl keeps it); below it, by its rolling score
+        # in its own category, the rank is slower than its peers there: never a faster one
+        stragglers = [s for s in detector.current() if s.relative_score < cfg.diagnose.straggler_warn_below]
         ranks = _rank_summaries(timings, diagnose=cfg.diagnose, parallel=cfg.parallel)
         cols = _steady(timings)
         step = float(np.nanmedian(timings.step_s[:, cols]))
         share = {p: float(np.nanmedian(v[:, cols])) / step for p, v in timings.phases.items()}
-    return Analysis(run_dir, cfg.run.name, cfg.model, cfg.parallel, cfg.diagnose, cfg.train.peak_tflops, read_jsonl(run_dir / "metrics.jsonl"), read_events(run_dir), timings, ranks,
-                    dict(sorted(share.items(), key=lambda kv: -kv[1])), stragglers, flags)
+    return Analysis(run_dir, cfg.run.name, cfg.model, cfg.parallel, cfg.diagnose, cfg.train.peak_tflops,
+                    read_metrics(run_dir / METRICS_FILE), read_events(run_dir), timings, ranks,
+                    dict(sorted(share.items(), key=lambda kv: -kv[1])), stragglers, flags,
+                    files - (len(timings.ranks) if timings is not None else 0))

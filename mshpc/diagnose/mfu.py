@@ -124,7 +124,13 @@ class MfuDeclineDetector:
         self.decline = decline
         self._window: collections.deque[float] = collections.deque(maxlen=window_steps)
         self.best = 0.0
+        self.drop = 0.0  # how far the rolling median is below the best now (0 while not full)
         self._declined = False
+
+    @property
+    def declined(self) -> bool:
+        """Whether a decline flagged earlier is still on (the median has not recovered)."""
+        return self._declined
 
     def update(self, step: int, tflops: float) -> MfuDecline | None:
         self._window.append(tflops)
@@ -132,6 +138,7 @@ class MfuDeclineDetector:
             return None
         median = statistics.median(self._window)
         self.best = max(self.best, median)
+        self.drop = 1 - median / self.best if self.best > 0 else 0.0
         low = median < (1 - self.decline) * self.best
         if low and not self._declined:
             self._declined = True

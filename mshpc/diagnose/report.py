@@ -33,6 +33,9 @@ def summary_lines(a: Analysis) -> list[str]:
         return lines + ["no timings/ (diagnose.timers was off): no per-rank view"]
     steps = a.timings.steps
     lines[0] += f", steps {steps.min()}-{steps.max()}"
+    if a.earlier_layout_ranks:
+        lines.append(f"resumed at another layout: the per-rank view is of the last one (dp={p.dp}, tp={p.tp}, "
+                     f"pp={p.pp}); {a.earlier_layout_ranks} rank(s) trained only at an earlier one, left out")
     flagged = {s.rank: s for s in a.stragglers}
     lines.append("slowest ranks (relative compute score: the other ranks' median time over its own):")
     for r in a.ranks[:SHOWN_RANKS]:
@@ -40,12 +43,13 @@ def summary_lines(a: Analysis) -> list[str]:
                 f"ms/step, score {r.relative_score:.2f}")
         s = flagged.get(r.info.rank)
         if s is not None:
-            line += (f"  STRAGGLER since step {s.since_step} ({s.category}, mostly {s.phase}); "
-                     "candidate for eviction")
+            line += (f"  STRAGGLER since step {s.since_step} ({s.category} score {s.relative_score:.2f} at the end, "
+                     f"mostly {s.phase}); candidate for eviction")
         lines.append(line)
     if not flagged:
-        lines.append("  no straggler: no rank is persistently slower than the threshold "
-                     f"(score < {a.diagnose.straggler_threshold})")
+        d = a.diagnose
+        lines.append("  no straggler: no rank is persistently slower than its peers below the warning floor "
+                     f"(score < {d.straggler_warn_below}; flags under {d.straggler_threshold} above it are events only)")
     lines.append(_biggest_phase(a))
     lines.append(_mfu_line(a))
     val = [(r["step"], r["val_loss"]) for r in a.metrics if r.get("val_loss") is not None]

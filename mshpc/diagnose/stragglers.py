@@ -262,6 +262,7 @@ class StragglerWatch:
         self._pending_rows = np.zeros(0, np.int64)
         self._detector: StragglerDetector | None = None
         self._next_step = start_step + 1  # earlier steps were judged by the process that trained them
+        self._warned: set[int] = set()  # flagged ranks already warned of on the console
 
     def after_write(self, step: int) -> None:
         interval = self.cfg.straggler_check_interval_steps
@@ -283,10 +284,22 @@ class StragglerWatch:
         frontier = int(self._stream.last_steps().min())
         flagged = self._feed(frontier) if frontier >= self._next_step else []
         for s in flagged:
-            log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
-                        s.rank, s.host, s.dp, s.tp, s.pp, s.category, s.relative_score, s.since_step)
             append_event(self.run_dir, "straggler", evict_candidate=True, **s.__dict__)
+        self._warn()
         return flagged
+
+    def _warn(self) -> None:
+        """One warning per flagged rank once its rolling score is below the floor (a flag is
+        raised as the score crosses the threshold, a real straggler's falls on); a flag that
+        never gets there is an event only: the noise of ranks that share a host."""
+        assert self._detector is not None
+        now = {s.rank: s for s in self._detector.current()}
+        self._warned &= set(now)  # recovered: a new slowdown is warned of again
+        for s in now.values():
+            if s.rank not in self._warned and s.relative_score < self.cfg.straggler_warn_below:
+                self._warned.add(s.rank)
+                log.warning("straggler: rank %d on %s (dp=%d, tp=%d, pp=%d) %s relative score %.2f since step %d",
+                            s.rank, s.host, s.dp, s.tp, s.pp, s.category, s.relative_score, s.since_step)
 
     def poll_until(self, step: int, timeout_s: float) -> list[Straggler]:
         """At the end of a run: poll until every rank's stream reaches `step` (the other ranks

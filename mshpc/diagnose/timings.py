@@ -1,10 +1,12 @@
 """timings/rank-N.jsonl: each rank's per-step phase times, and reading them back.
 
 A rank's file starts (and, after each restart, continues) with a header line naming the rank,
-its host and its (dp, tp, pp) coordinates; then one line per step:
+its host, its (dp, tp, pp) coordinates and the mesh's [pp, dp, tp] sizes; then one line per step:
 `{"step": 12, "time": unix s, "step_s": 0.31, "spans": 40, "phases": {"forward": 0.1, ...}}`
 (spans: how many timed spans the step recorded, for the timers' own cost).
-A step trained twice (a restart from a checkpoint before it) counts as its last record.
+A step trained twice (a restart from a checkpoint before it) counts as its last record. A run
+resumed at another layout is read at its last layout: each rank's records since that layout began,
+and only the ranks of that mesh (`read_timings(..., mesh=)`).
 
 Writing is off the hot path: the loop hands a step's unread marks to a queue; a thread reads
 them once they have completed (CUDA events: a step or more later), writes the line, and flushes
@@ -31,7 +33,7 @@ from mshpc.diagnose.timers import CATEGORIES, StepSpans, category
 from mshpc.diagnose.watch_stream import StreamWriter
 from mshpc.errors import RunEnvironmentError, writing_to
 from mshpc.events import open_for_append
-from mshpc.mesh_shape import Coords
+from mshpc.mesh_shape import Coords, MeshShape
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +52,20 @@ class RankInfo:
     coords: Coords
 
 
-def header(info: RankInfo, clock: str, start_step: int) -> dict[str, Any]:
+def header(info: RankInfo, clock: str, start_step: int, mesh: MeshShape | None = None) -> dict[str, Any]:
     """A rank's header line; "rank" comes first, so `is_header` knows it without parsing."""
     c = info.coords
-    return {"rank": info.rank, "host": info.host, "pp": c.pp, "dp": c.dp, "tp": c.tp,
+    head = {"rank": info.rank, "host": info.host, "pp": c.pp, "dp": c.dp, "tp": c.tp,
             "clock": clock, "start_step": start_step, "time": time.time()}
+    if mesh is not None:
+        head["mesh"] = [mesh.pp, mesh.dp, mesh.tp]
+    return head
+
+
+def layout_key(head: dict[str, Any]) -> tuple[Any, ...]:
+    """What changes with the layout: the mesh's sizes and the rank's coordinates (a header from
+    before the sizes were written: the coordinates alone)."""
+    return (tuple(head.get("mesh") or ()), head.get("pp"), head.get("dp"), head.get("tp"))
 
 
 def is_header(line: str) -> bool:
@@ -235,8 +246,23 @@ def read_rank_file(path: Path) -> RankColumns | None:
             phases = {key[len(PHASE_KEY):]: v for key, v in column.items() if key.startswith(PHASE_KEY)}
             return RankColumns.last_per_step(rank_info(json.loads(head)), column["step"].astype(np.int64),
                                              column["step_s"], phases)
-    headers, records = parse_records(data.decode(errors="replace").splitlines())
+    headers, records = parse_records(_last_layout(data.decode(errors="replace").splitlines()))
     return RankColumns.of(rank_info(headers[-1]), records) if headers else None
+
+
+def _last_layout(lines: list[str]) -> list[str]:
+    """The lines from the first header of the last layout on (a restart at the same layout
+    continues its history; a resume at another starts a new one)."""
+    starts = [(i, _loads_or_none(line)) for i, line in enumerate(lines) if is_header(line)]
+    heads = [(i, h) for i, h in starts if h is not None]
+    if not heads:
+        return lines
+    last, first = layout_key(heads[-1][1]), heads[-1][0]
+    for i, h in reversed(heads):
+        if layout_key(h) != last:
+            break
+        first = i
+    return lines[first:]
 
 
 PHASE_KEY = "phases/"
@@ -295,12 +321,19 @@ class Timings:
         return total
 
 
-def read_timings(run_dir: Path) -> Timings | None:
+def read_timings(run_dir: Path, mesh: MeshShape | None = None) -> Timings | None:
     """Every rank's timings under `run_dir` (None when there are none): each file becomes columns
-    as it is read, so memory holds numbers, never the 12 million parsed records of a large run."""
+    as it is read, so memory holds numbers, never the 12 million parsed records of a large run.
+    With `mesh` (the run's last layout), only the ranks of that mesh: a rank beyond it, or at
+    coordinates outside it, trained at an earlier layout."""
     per_rank = [c for c in map(read_rank_file, sorted((run_dir / TIMINGS_DIR).glob("rank-*.jsonl")))
-                if c is not None]
+                if c is not None and (mesh is None or in_mesh(c.info, mesh))]
     return assemble(per_rank) if per_rank else None
+
+
+def in_mesh(info: RankInfo, mesh: MeshShape) -> bool:
+    """Whether a rank's last header places it in `mesh` (where the rank is, its coordinates are)."""
+    return info.rank < mesh.world_size and mesh.coords(info.rank) == info.coords
 
 
 def to_arrays(per_rank: list[tuple[RankInfo, dict[int, dict[str, Any]]]]) -> Timings:

@@ -14,12 +14,11 @@ COMM_S = 0.05
 
 def synthetic(steps: int, seed: int, slow_rank: int | None = None, slow_from: int = 0,
               slow_phases: tuple[str, ...] = ("forward", "backward", "optimizer"), factor: float = 1.15,
-              noise: float = 0.05) -> list[dict[int, dict]]:
+              noise: float = 0.05, world: int = MESH.world_size) -> list[dict[int, dict]]:
     """Per rank {step: record} of a synchronous data-parallel job: every phase jitters (lognormal
     `noise`), every step shares a job-wide factor, 1% of (rank, step) pairs spike 1.5-3x in
     backward (a GC pause, an interrupt), and the collective waits for the slowest rank's compute."""
     rng = np.random.default_rng(seed)
-    world = MESH.world_size
     records: list[dict[int, dict]] = [{} for _ in range(world)]
     for step in range(1, steps + 1):
         common = rng.lognormal(0, noise)
@@ -37,16 +36,18 @@ def synthetic(steps: int, seed: int, slow_rank: int | None = None, slow_from: in
     return records
 
 
-def ranks() -> list[RankInfo]:
-    return [RankInfo(r, f"node{r // 4}", MESH.coords(r)) for r in range(MESH.world_size)]
+def ranks(mesh: MeshShape = MESH, host=lambda r: f"node{r // 4}") -> list[RankInfo]:
+    return [RankInfo(r, host(r), mesh.coords(r)) for r in range(mesh.world_size)]
 
 
-def write_files(run_dir, records, start_step=0):
-    for info, recs in zip(ranks(), records):
+def write_files(run_dir, records, start_step=0, mesh: MeshShape | None = None, host=lambda r: f"node{r // 4}"):
+    """Each rank's timings file (appended to: a restart's header, then its steps); `mesh`, when
+    given, goes into the headers as the run's layout."""
+    for info, recs in zip(ranks(mesh or MESH, host), records, strict=True):
         path = rank_file(run_dir, info.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
-            f.write(json.dumps(header(info, "cpu", start_step)) + "\n")
+            f.write(json.dumps(header(info, "cpu", start_step, mesh)) + "\n")
             f.writelines(json.dumps(r) + "\n" for r in recs.values())
 
 

@@ -132,3 +132,21 @@ def test_swiglu_flops_are_6n_of_the_built_model_plus_attention():
     matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in n)
     assert matrices == 2 * (4 * 32 * 32 + 3 * 32 * 40) + 64 * 32
     assert flops_per_token(m) == 6 * matrices + 12 * 2 * 16 * 32
+
+
+def test_an_mfu_decline_is_an_event_at_10_percent_and_a_warning_only_past_the_floor(tmp_path, caplog):
+    import torch
+
+    from mshpc.diagnose.collector import build_collector
+    from mshpc.events import read_events
+
+    cfg = load_config(REPO / "configs/tiny.yaml", ["diagnose.timers=false", "diagnose.mfu_window_steps=5"])
+    collector = build_collector(cfg, tmp_path, 0, "h", torch.device("cpu"), 0, None)
+    rate = achieved_tflops(1.0, cfg.model, cfg.world_size)  # TFLOP/s of one token/s
+    with caplog.at_level("DEBUG", logger="mshpc.diagnose.collector"):
+        for step, tokens_per_s in enumerate([1000.0] * 10 + [870.0] * 10 + [1000.0] * 10 + [600.0] * 10, 1):
+            assert collector.end_step(step, tokens_per_s) == pytest.approx(tokens_per_s * rate)
+    declines = [e["step"] for e in read_events(tmp_path) if e["kind"] == "mfu_decline"]
+    assert len(declines) == 2 and 10 < declines[0] <= 15 and 30 < declines[1] <= 35  # both recorded
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and warned[0].startswith("MFU decline at step 3") and "40% below" in warned[0]

@@ -8,7 +8,9 @@ import yaml
 from support.cli_runner import mshpc
 from mshpc.config import load_config, to_dict
 from mshpc.diagnose.analysis import analyse
+from mshpc.diagnose.report import summary_lines, write_report
 from mshpc.events import append_event
+from mshpc.mesh_shape import MeshShape
 from support.synthetic_timings import MESH, synthetic, write_files
 
 SLOW = 5  # pp=1, dp=0, tp=1
@@ -61,3 +63,56 @@ def test_not_a_run_directory_is_a_one_line_error(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == f"mshpc: error: DiagnoseError: {tmp_path} is not a run directory " \
                                  "(no config.yaml; give runs/<run.name>)"
+
+
+PAIR = MeshShape(pp=1, dp=2, tp=1)
+
+
+def _pair_run(run_dir, records, mesh=PAIR):
+    cfg = load_config(None, [f"parallel.dp={mesh.dp}", f"parallel.tp={mesh.tp}", f"parallel.pp={mesh.pp}",
+                             "model.n_head=4", "run.name=pair"])
+    run_dir.mkdir(exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_files(run_dir, records, mesh=mesh, host=lambda r: "laptop")
+    return cfg
+
+
+def test_two_ranks_on_one_host_11_percent_apart_are_no_straggler_in_the_report(tmp_path):
+    # two local ranks on one host's cores: one 12% slower in compute, as the other's work on the host
+    # makes them in turn; the detector flags it (an event), the report does not cry straggler
+    records = synthetic(120, seed=5, slow_rank=0, slow_from=20, factor=1.12, world=2)
+    cfg = _pair_run(tmp_path / "pair", records)
+    from mshpc.diagnose.stragglers import detect
+    from mshpc.diagnose.timings import read_timings
+
+    flagged = detect(read_timings(tmp_path / "pair"), cfg.diagnose)[0].current()
+    assert [s.rank for s in flagged] == [0] and 0.75 < flagged[0].relative_score < 0.9
+    a = analyse(tmp_path / "pair")
+    assert a.stragglers == []
+    out = mshpc("diagnose", str(tmp_path / "pair"))
+    assert out.returncode == 0 and "STRAGGLER" not in out.stdout
+    assert "no straggler: no rank is persistently slower than its peers below the warning floor (score < 0.75" in out.stdout
+
+
+def test_a_flagged_rank_is_slower_than_its_peers_in_what_it_is_flagged_for(tmp_path):
+    # rank 1 a third slower in compute: flagged, and its line gives the flagged category's score under 1
+    records = synthetic(120, seed=6, slow_rank=1, slow_from=10, factor=1.6, world=2)
+    _pair_run(tmp_path / "pair", records)
+    a = analyse(tmp_path / "pair")
+    assert [(s.rank, s.category) for s in a.stragglers] == [(1, "compute")] and a.stragglers[0].relative_score < 0.75
+    flagged_line = next(line for line in summary_lines(a) if "STRAGGLER" in line)
+    assert flagged_line.startswith("  rank 1 on laptop") and "(compute score 0." in flagged_line
+    assert a.ranks[0].info.rank == 1 and a.ranks[0].relative_score < 1  # the slower rank, not the faster
+
+
+def test_a_run_resumed_at_another_layout_is_diagnosed_at_its_last(tmp_path):
+    # 4 ranks at dp=4 for 60 steps, then resumed on 2 ranks at dp=2 (config.yaml: the last layout)
+    run = tmp_path / "relaid"
+    _pair_run(run, synthetic(60, seed=7, world=4), mesh=MeshShape(pp=1, dp=4, tp=1))
+    later = [{s + 60: {**r, "step": s + 60} for s, r in recs.items()} for recs in synthetic(40, seed=8, world=2)]
+    _pair_run(run, later)
+    index, lines = write_report(run)
+    assert index.is_file() and (run / "report" / "mesh.png").is_file()
+    assert lines[0].startswith(f"run {run}: 2 ranks (dp=2, tp=1, pp=1), steps 61-100")
+    assert lines[1] == ("resumed at another layout: the per-rank view is of the last one (dp=2, tp=1, pp=1); "
+                        "2 rank(s) trained only at an earlier one, left out")

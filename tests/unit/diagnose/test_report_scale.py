@@ -8,7 +8,6 @@ import yaml
 
 from mshpc.config import load_config, to_dict
 from mshpc.diagnose.report import write_report
-from mshpc.diagnose.timings import RankInfo
 from mshpc.mesh_shape import MeshShape
 from support.synthetic_timings import write_files
 
@@ -16,7 +15,7 @@ SHAPE = MeshShape(pp=2, dp=16, tp=4)  # 128 ranks, 4 per node
 SLOW = 77
 
 
-def test_a_straggler_among_128_ranks_is_the_first_node_named(tmp_path, monkeypatch):
+def test_a_straggler_among_128_ranks_is_the_first_node_named(tmp_path):
     cfg = load_config(None, [f"parallel.pp={SHAPE.pp}", f"parallel.dp={SHAPE.dp}", f"parallel.tp={SHAPE.tp}",
                              "model.n_head=4", "run.name=wide"])
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -27,9 +26,7 @@ def test_a_straggler_among_128_ranks_is_the_first_node_named(tmp_path, monkeypat
         records.append({s: {"step": s, "step_s": float(forward[s - 1] + 0.2),
                             "phases": {"forward": float(forward[s - 1]), "comm.all_reduce": 0.2}}
                         for s in range(1, 41)})
-    monkeypatch.setattr("support.synthetic_timings.ranks",
-                        lambda: [RankInfo(r, f"node{r // 4:02d}", SHAPE.coords(r)) for r in range(SHAPE.world_size)])
-    write_files(tmp_path, records)
+    write_files(tmp_path, records, mesh=SHAPE, host=lambda r: f"node{r // 4:02d}")
     index, summary = write_report(tmp_path)
     assert summary[2].startswith(f"  rank {SLOW} on node19 ")
     page = index.read_text()

@@ -151,3 +151,21 @@ def test_end_of_run_look_gives_up_on_a_rank_that_never_closes(tmp_path, caplog):
     assert StragglerWatch(tmp_path / "none", MESH.world_size, DiagnoseConfig(), start_step=40).poll_until(40, 30) == []
     assert time.monotonic() - start < 5
     watch.close()
+
+
+@pytest.mark.parametrize("factor, warned", [(1.12, False), (1.6, True)], ids=["noise-12pc", "slow-60pc"])
+def test_the_live_watch_warns_only_below_the_floor_and_records_every_flag(tmp_path, caplog, factor, warned):
+    records = synthetic(80, 4, slow_rank=3, slow_from=10, factor=factor)
+    watch = StragglerWatch(tmp_path, MESH.world_size, DiagnoseConfig(watch_ranks_per_file=4), start_step=0)
+    steps, writers = watch_lines(tmp_path, records)
+    for r in range(MESH.world_size):
+        _append(tmp_path, steps, writers, r, 0, 80)
+    with caplog.at_level("DEBUG", logger="mshpc.diagnose.stragglers"):
+        flagged = watch.poll_until(80, timeout_s=30)
+    watch.close()
+    for w in writers:
+        w.close()
+    assert [s.rank for s in flagged] == [3]  # flagged either way: an event for the supervisor and the report
+    assert [e["rank"] for e in read_events(tmp_path) if e["kind"] == "straggler"] == [3]
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.getMessage().startswith("straggler:")]
+    assert len(warnings) == (1 if warned else 0), [r.getMessage() for r in caplog.records]
