@@ -141,8 +141,9 @@ def test_an_mfu_decline_is_an_event_at_10_percent_and_a_warning_only_past_the_fl
     from mshpc.events import read_events
 
     cfg = load_config(REPO / "configs/tiny.yaml", ["diagnose.timers=false", "diagnose.mfu_window_steps=5"])
-    collector = build_collector(cfg, tmp_path, 0, "h", torch.device("cpu"), 0, None)
-    rate = achieved_tflops(1.0, cfg.model, cfg.world_size)  # TFLOP/s of one token/s
+    collector = build_collector(tmp_path, 0, "h", torch.device("cpu"), 0, None, diagnose=cfg.diagnose,
+                                model_cfg=cfg.model, parallel=cfg.parallel)
+    rate = achieved_tflops(1.0, cfg.model, cfg.parallel.world_size)  # TFLOP/s of one token/s
     with caplog.at_level("DEBUG", logger="mshpc.diagnose.collector"):
         for step, tokens_per_s in enumerate([1000.0] * 10 + [870.0] * 10 + [1000.0] * 10 + [600.0] * 10, 1):
             assert collector.end_step(step, tokens_per_s) == pytest.approx(tokens_per_s * rate)
