@@ -65,7 +65,7 @@ def test_resumed_run_writes_the_same_validation_rows(straight: Path, tmp_path: P
 def _evaluate_checkpoint(rank: int, world: int, layouts: list[list[str]]) -> list[list[float]]:
     """Each layout's validation loss of the step-4 checkpoint, twice, on this rank."""
     from mshpc.checkpoint.train_checkpoint import TrainCheckpointer
-    from mshpc.config import config_hash, load_config, resolve_world
+    from mshpc.config import config_hash, load_config, resolve_world, to_dict
     from mshpc.data.prepare import val_dataset_path
     from mshpc.data.shards import TokenDataset
     from mshpc.evaluate import build_evaluator
@@ -84,7 +84,8 @@ def _evaluate_checkpoint(rank: int, world: int, layouts: list[list[str]]) -> lis
         scheduler = build_scheduler(engine.optimizer, cfg.optim, cfg.train.steps)
         run_dir = Path(cfg.run.out_dir)
         ckpt = TrainCheckpointer(run_dir / "checkpoints", rank, engine, scheduler, run_dir=run_dir,
-                                 config_hash=config_hash(cfg), checkpoint=cfg.checkpoint, parallel=cfg.parallel,
+                                 config_hash=config_hash(cfg), config_record=to_dict(cfg), checkpoint=cfg.checkpoint,
+                                 parallel=cfg.parallel,
                                  train=cfg.train, data=cfg.data, model_cfg=cfg.model)
         assert ckpt.resume() == 4
         val = TokenDataset.open(val_dataset_path(cfg.data))
