@@ -97,7 +97,7 @@ class Progress:
         else:
             self.stream.write(text + "\n")
         self.stream.flush()
-        self._epoch_notice(done - 1)
+        self._epoch_notice(done)
 
     def _eta(self, done: int, now: float) -> float | None:
         """Seconds left at the pace since the first step (which compiles and warms up)."""
@@ -108,21 +108,21 @@ class Progress:
             return 0.0 if done >= self.total else None
         return (now - self._first_done_at) / (done - self._first_done) * (self.total - done)
 
-    def validation(self, step: int, row: dict[str, float]) -> None:
-        """A validation's line of its own, after `step` (0-based)."""
-        self.tally.val.append((step + 1, row["val_loss"]))
-        self.line(f"step {step + 1}/{self.total} val_loss {row['val_loss']:.4f} val_ppl {row['val_ppl']:.2f} "
+    def validation(self, done: int, row: dict[str, float]) -> None:
+        """A validation's line of its own, once `done` steps are done."""
+        self.tally.val.append((done, row["val_loss"]))
+        self.line(f"step {done}/{self.total} val_loss {row['val_loss']:.4f} val_ppl {row['val_ppl']:.2f} "
                   f"({row['eval_s']:.1f} s)")
 
-    def _epoch_notice(self, step: int) -> None:
-        """When step `step` (0-based) read into a new pass over the training windows (the sampler
-        takes global_batch windows a step, in a new order each epoch)."""
+    def _epoch_notice(self, done: int) -> None:
+        """When the step that made it `done` steps read into a new pass over the training windows
+        (the sampler takes global_batch windows a step, in a new order each epoch)."""
         n, gb = self._windows, self._global_batch
         if not n:
             return
-        epoch, before = ((step + 1) * gb - 1) // n, (step * gb - 1) // n if step else 0
+        epoch, before = (done * gb - 1) // n, ((done - 1) * gb - 1) // n if done > 1 else 0
         if epoch > before:
-            self.line(f"data: epoch {epoch + 1} began at step {step + 1} (every one of the {n:,} training "
+            self.line(f"data: epoch {epoch + 1} began at step {done} (every one of the {n:,} training "
                       f"windows read {epoch} time{'s' if epoch > 1 else ''}; now in a new order)")
 
     def line(self, text: str) -> None:

@@ -449,7 +449,7 @@ def report_step(cfg: Config, parts: Parts, rt: Runtime, world_size: int, done: i
         })
     parts.progress.update(done, figures.loss, tokens_per_s, step_mfu, figures.lr)
     if figures.validation:
-        parts.progress.validation(done - 1, figures.validation)
+        parts.progress.validation(done, figures.validation)
 
 
 def stop_if_asked(watcher: PreemptionWatcher, ckpt: TrainCheckpointer, done: int, rank: int) -> None:

@@ -37,9 +37,9 @@ def screen(text: str) -> list[str]:
 def test_each_step_shows_elapsed_eta_lr_tokens_and_mfu():
     out, clock = io.StringIO(), Clock()
     progress = Progress(10, "lines", out, now=clock)
-    for step in range(4):
+    for done in range(1, 5):
         clock.t += 2.0
-        progress.update(step, 3.0 - step / 10, 12_345.6, 0.031, 1.5e-3)
+        progress.update(done, 3.1 - done / 10, 12_345.6, 0.031, 1.5e-3)
     lines = out.getvalue().splitlines()
     assert lines[0] == "step 1/10 loss 3.0000 lr 1.50e-03 12,346 tok/s mfu 3.1% elapsed 0:02"  # no ETA yet
     # 2 s a step since the first (which may compile): 6 steps left, 12 s
@@ -49,10 +49,10 @@ def test_each_step_shows_elapsed_eta_lr_tokens_and_mfu():
 def test_validation_and_epoch_notices_are_lines_of_their_own():
     out = io.StringIO()
     progress = Progress(6, "lines", out, windows_per_epoch=10, global_batch=4, now=Clock())
-    for step in range(6):
-        progress.update(step, 2.0, 1.0, None)
-        if step == 1:
-            progress.validation(step, {"val_loss": 2.25, "val_ppl": 9.49, "eval_s": 0.4})
+    for done in range(1, 7):
+        progress.update(done, 2.0, 1.0, None)
+        if done == 2:
+            progress.validation(done, {"val_loss": 2.25, "val_ppl": 9.49, "eval_s": 0.4})
     lines = out.getvalue().splitlines()
     assert lines[2] == "step 2/6 val_loss 2.2500 val_ppl 9.49 (0.4 s)"
     # 4 windows a step out of 10: step 3 reads windows 8-11, the second pass's first two
@@ -71,10 +71,10 @@ def test_a_log_record_is_never_glued_to_the_bar():
     root.addHandler(handler)
     try:
         progress = Progress(3, "bar", out, now=Clock())
-        progress.update(0, 2.5, 100.0, None, 1e-3)
+        progress.update(1, 2.5, 100.0, None, 1e-3)
         logging.getLogger("mshpc.test").warning("straggler: rank 1")
-        progress.update(1, 2.4, 100.0, None, 1e-3)
-        progress.update(2, 2.3, 100.0, None, 1e-3)
+        progress.update(2, 2.4, 100.0, None, 1e-3)
+        progress.update(3, 2.3, 100.0, None, 1e-3)
         progress.close()
     finally:
         root.removeHandler(handler)
