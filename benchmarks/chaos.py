@@ -47,7 +47,7 @@ import numpy as np
 from mshpc.bench import harness
 from mshpc.bench.harness import REPO
 from mshpc.bench.processes import children
-from mshpc.events import read_jsonl
+from mshpc.run_dir import read_metrics
 
 # configs/tiny.yaml's model (a step takes a good fraction of a second on 2 CPU ranks, so faults
 # land in the step they are drawn for); timings flushed often: they tell the driver the step
@@ -125,13 +125,8 @@ class ChaosRun:
 
     def last_step(self) -> int:
         metrics = self.run_dir / "metrics.jsonl"
-        lines = metrics.read_text().splitlines() if metrics.exists() else []
-        for line in reversed(lines):
-            try:
-                return json.loads(line)["step"]
-            except ValueError:
-                continue  # torn
-        return 0
+        rows = read_metrics(metrics) if metrics.exists() else []  # torn lines skipped
+        return rows[-1]["step"] if rows else 0
 
     def attempt_step(self) -> int:
         """The last step the running attempt has trained (rank 0's timings after its newest header
@@ -350,13 +345,13 @@ def final_state(run: ChaosRun) -> tuple[dict[str, np.ndarray], list[float]]:
     for shard in sorted((run.run_dir / "checkpoints" / "latest").glob("shard-*.h5")):
         with h5py.File(shard, "r") as f:
             params.update({k: f["model"][k][()] for k in f.get("model", {})})
-    records = [json.loads(line) for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, run.steps + 1)), "metrics: not every step exactly once"
     return params, [r["loss"] for r in records]
 
 
 def effective_ratio(run: ChaosRun, ended: float) -> float:
-    records = read_jsonl(run.run_dir / "metrics.jsonl")
+    records = read_metrics(run.run_dir / "metrics.jsonl")
     return sum(r["step_time_s"] for r in records) / (ended - run.launches[0].at)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from mshpc.bench import harness
 from mshpc.bench.harness import REPO
-from mshpc.events import read_jsonl
+from mshpc.run_dir import read_metrics
 
 RUNS = {  # name: overrides of configs/tiny-moe.yaml
     "aux_loss": [],
@@ -39,7 +39,7 @@ def train(out: Path, cache: Path, name: str, steps: int, sets: list[str]) -> lis
     cmd = [sys.executable, "-m", "mshpc", "train", str(REPO / "configs/tiny-moe.yaml"),
            *[a for s in args for a in ("--set", s)]]
     subprocess.run(cmd, check=True, cwd=REPO, capture_output=True, timeout=3600)
-    return read_jsonl(out / name / "metrics.jsonl")
+    return read_metrics(out / name / "metrics.jsonl")
 
 
 def plot(curves: dict[str, list[float]], path: Path) -> None:

@@ -28,6 +28,7 @@ from mshpc.parallel import comm
 from mshpc.plan.devices import DeviceSpec
 from mshpc.plan.layout import layout_of
 from mshpc.plan.steptime import step_time
+from mshpc.run_dir import read_metrics
 
 CONFIG = REPO / "configs/tiny.yaml"
 COMM_BYTES = 8 * 2**20
@@ -94,8 +95,8 @@ def measured_step_s(overrides: list[str], steps: int) -> float:
                 "run.progress=none", f"data.cache_dir={REPO / '.cache/mshpc'}"]
         cmd = [sys.executable, "-m", "mshpc", "train", str(CONFIG), *[a for s in sets for a in ("--set", s)]]
         subprocess.run(cmd, check=True, cwd=REPO, capture_output=True)
-        lines = (Path(tmp) / "bench/metrics.jsonl").read_text().splitlines()
-        return statistics.median(json.loads(line)["step_time_s"] for line in lines[steps // 3:])
+        rows = read_metrics(Path(tmp) / "bench/metrics.jsonl")
+        return statistics.median(row["step_time_s"] for row in rows[steps // 3:])
 
 
 def cpu_spec(threads_per_rank: int, cfg, busbw: float, copy: float) -> DeviceSpec:

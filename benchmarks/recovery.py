@@ -24,7 +24,8 @@ from pathlib import Path
 
 from mshpc.bench import harness
 from mshpc.bench.harness import REPO
-from mshpc.events import read_events, read_jsonl
+from mshpc.events import read_events
+from mshpc.run_dir import read_metrics
 
 SMALL = ["model.n_layer=2", "model.d_model=128", "model.n_head=2", "model.seq_len=64", "optim.warmup_steps=2",
          "run.progress=none", "train.cpu_threads=1", "train.micro_batch=8"]
@@ -48,7 +49,7 @@ def train(out: Path, cache: Path, name: str, *sets: str, faults: str | None = No
 
 
 def step_times(run: Path) -> list[float]:
-    return [r["step_time_s"] for r in read_jsonl(run / "metrics.jsonl")[3:]]  # past warm-up
+    return [r["step_time_s"] for r in read_metrics(run / "metrics.jsonl")[3:]]  # past warm-up
 
 
 def emit(metric: str, value: float, unit: str, baseline: float, **extra: object) -> None:

@@ -9,7 +9,6 @@ with the ratio: median MFU, tokens/s per GPU and peak memory over the steps afte
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from mshpc.bench import harness
 from mshpc.bench.harness import REPO
+from mshpc.run_dir import read_metrics
 
 # What "off" means: the reference operators, no overlap of ZeRO or tensor-parallel collectives,
 # and the plain torch loader; the engine, bf16 and the model are the same.
@@ -32,7 +32,7 @@ def train(config: str, overrides: list[str], steps: int, out: Path, name: str) -
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"train_compare: the {name} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(out / name / "metrics.jsonl")
 
 
 def summary(records: list[dict], world: int) -> dict:

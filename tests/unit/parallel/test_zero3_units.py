@@ -19,7 +19,8 @@ from mshpc.plan.memory import GIB, memory, stage_params, stage_units, zero3_para
 from mshpc.plan.report import plan
 from mshpc.plan.steptime import dp_bytes
 
-TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
+# RMSNorm: one weight per norm (the default LayerNorm adds a bias)
+TINY = ModelConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32, norm="rmsnorm")
 # dense layers 0, 1 and 3, a mixture of experts at 2 (a router, 4 experts, a gated shared expert)
 TINY_MOE = dataclasses.replace(TINY, mlp="swiglu", norm="rmsnorm", parallel_block=False, tie_embeddings=False,
                                moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=24, n_shared_experts=1,
@@ -101,7 +102,8 @@ def test_units_in_the_plan_are_the_engines():
 def test_stage3_keeps_shards_and_two_neighbouring_units():
     m = GPT_125M.model
     lay = Layout(2, 1, 1, 1, 1, 1, "none", zero_stage=3)
-    table, block = m.vocab_size * m.d_model + m.d_model, 12 * m.d_model**2 + 2 * m.d_model
+    norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model  # a weight, and LayerNorm's bias
+    table, block = m.vocab_size * m.d_model + norm, 12 * m.d_model**2 + 2 * norm
     assert zero3_param_bytes(m, lay) == 4 * stage_params(m, lay, 0) / 2 + 4 * (table + block)
     two = memory(m, dataclasses.replace(lay, zero_stage=2))
     three = memory(m, lay)
