@@ -57,9 +57,9 @@ class MetricsLog:
 
     def __init__(self, path: Path, start_step: int) -> None:
         self.path, self._failed = path, False
-        self.attempt = len(read_attempts(path)) + 1
-        marker = {ATTEMPT_KEY: self.attempt, "start_step": start_step, "time": time.time()}
-        with writing_to(path):
+        with writing_to(path):  # a planted link or another user's file: one line, read or written
+            self.attempt = len(read_attempts(path)) + 1
+            marker = {ATTEMPT_KEY: self.attempt, "start_step": start_step, "time": time.time()}
             # O_APPEND through open_regular: never through a planted link, never another user's file
             self._file: TextIO = os.fdopen(open_for_append(path), "a")  # a torn last line ended first
             self._file.write(json.dumps(marker) + "\n")
