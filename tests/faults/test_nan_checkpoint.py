@@ -34,7 +34,7 @@ def test_a_nan_checkpoint_is_refused_and_the_good_one_before_is_resumed(referenc
     assert verified.returncode == 1 and "holds NaN or Inf values" in verified.stdout + verified.stderr
     out = supervised(tmp_path, corpus_cache, "n")  # train.steps=8 again: resume, and train what is missing
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "step-0000008 is unusable, trying an older one" in out.stderr and "holds NaN or Inf" in out.stderr
+    assert "step-0000008 is damaged or incomplete, trying an older one" in out.stderr and "holds NaN or Inf" in out.stderr
     evs = events(run)[len(events(reference_run)):]
     assert kinds(evs).count("attempt_start") == 1 and "failure_detected" not in kinds(evs)
     assert one(evs, "checkpoint_restore")["step"] == 6
