@@ -49,7 +49,8 @@ from mshpc.train import build_model_step
 
 # the smallest shape with the parts that matter: rmsnorm, parallel block, rope, 2 heads per tp
 # rank, 2 layers per pipeline stage; the byte tokenizer's vocabulary
-TINY = ModelConfig(vocab_size=257, seq_len=16, n_layer=4, n_head=4, d_model=32, parallel_block=True)
+TINY = ModelConfig(vocab_size=257, seq_len=16, n_layer=4, n_head=4, d_model=32, parallel_block=True,
+                   norm="rmsnorm")
 TINY_MOE = dataclasses.replace(TINY, mlp="swiglu", parallel_block=False,
                                moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32))
 GLOBAL_BATCH = 4
