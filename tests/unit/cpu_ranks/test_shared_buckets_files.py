@@ -17,8 +17,8 @@ from mshpc.cpu_ranks import shared_buckets
 MAKE = """
 import json, os, sys, time
 from mshpc.cpu_ranks import shared_buckets
-fd = shared_buckets._create({nbytes})
-print(json.dumps(shared_buckets._identity(fd)), flush=True)
+fd = shared_buckets.create_unnamed({nbytes})
+print(json.dumps(shared_buckets.identity(fd)), flush=True)
 time.sleep(60)
 """
 
@@ -39,12 +39,12 @@ def test_a_rank_killed_after_making_its_buffer_leaves_nothing():
 
 
 def test_a_buffer_maps_only_as_what_its_owner_announced():
-    me = shared_buckets._identity(fd := shared_buckets._create(4096))
+    me = shared_buckets.identity(fd := shared_buckets.create_unnamed(4096))
     try:
-        assert shared_buckets._map(None, me, me, 4096) is not None  # through /proc, as a peer opens it
+        assert shared_buckets.map_peer(None, me, me, 4096) is not None  # through /proc, as a peer opens it
         for changed in ({"file": [me["file"][0], me["file"][1] + 1]}, {"boot": "another host"},
                         {"folder": [0, 0]}, {"fd": 999_999}):
-            assert shared_buckets._map(None, {**me, **changed}, me, 4096) is None, changed
+            assert shared_buckets.map_peer(None, {**me, **changed}, me, 4096) is None, changed
     finally:
         os.close(fd)
 
@@ -55,10 +55,10 @@ def test_another_users_buffer_is_not_mapped():
     other = nobody_python(MAKE.format(nbytes=4096))
     try:
         who = json.loads(other.stdout.readline())
-        me = shared_buckets._identity(fd := shared_buckets._create(4096))
+        me = shared_buckets.identity(fd := shared_buckets.create_unnamed(4096))
         try:
             assert os.stat(f"/proc/{who['pid']}/fd/{who['fd']}").st_uid == 65534  # it opens (as root)
-            assert shared_buckets._map(None, who, me, 4096) is None
+            assert shared_buckets.map_peer(None, who, me, 4096) is None
         finally:
             os.close(fd)
     finally:
