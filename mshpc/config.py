@@ -361,11 +361,12 @@ class DiagnoseConfig:
     mfu_window_steps: int = at_least(1, default=20)  # rolling median of achieved TFLOP/s ...
     mfu_decline: float = 0.1  # ... an event when it falls this fraction below the run's best
     # Floors of what is said on the console and marked in the report (events record every flag):
-    # a straggler only below this relative score (18% slower than its peers), an MFU decline only
-    # past this fraction. Ranks that share a host's cores, two local CPU ranks say, take turns at
-    # 10-12% slower (scores 0.88-0.90) and lose 10% of their pace to the host's other work: that
-    # is noise, not a node to evict; a rank whose forwards take 4x as long scores 0.5-0.8.
-    straggler_warn_below: float = 0.85
+    # a straggler only below this relative score (a third slower than its peers; nvidia-resiliency-
+    # ext's default threshold is 0.7), an MFU decline only past this fraction. Ranks that share a host's
+    # cores, two local CPU ranks say, take turns at 10-20% slower (scores 0.83-0.90 seen on a
+    # loaded 2-core host) and lose 10-25% of their pace to the host's other work: that is noise,
+    # not a node to evict.
+    straggler_warn_below: float = 0.75
     mfu_warn_decline: float = 0.2
 
 

@@ -59,15 +59,20 @@ class RankFailure:
 
 
 STANDBY = -1  # a standby's rank until it takes one
+CLEAR_LINE = "\r\033[K"  # back to the line's start, then erase it (ECMA-48 EL), as progress.py draws
 
 
 def _pump(rp: RankProcess) -> None:
-    """Copy a rank's stderr to ours with a rank prefix, keeping the last lines for the report."""
+    """Copy a rank's stderr to ours with a rank prefix, keeping the last lines for the report.
+    On a terminal each line first erases the current one: rank 0's progress bar reaches the
+    terminal straight (stdout is inherited) while its log lines come through here later, so the
+    bar may have been redrawn after the rank wiped it; the next step draws it again."""
     assert rp.proc.stderr is not None
+    erase = CLEAR_LINE if sys.stderr.isatty() else ""
     for raw in rp.proc.stderr:
         line = raw.decode(errors="replace").rstrip("\n")
         rp.tail.append(line)
-        sys.stderr.write(f"[{'standby' if rp.rank == STANDBY else f'rank {rp.rank}'}] {line}\n")
+        sys.stderr.write(f"{erase}[{'standby' if rp.rank == STANDBY else f'rank {rp.rank}'}] {line}\n")
         sys.stderr.flush()
 
 

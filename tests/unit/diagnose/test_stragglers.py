@@ -153,7 +153,8 @@ def test_end_of_run_look_gives_up_on_a_rank_that_never_closes(tmp_path, caplog):
     watch.close()
 
 
-@pytest.mark.parametrize("factor, warned", [(1.12, False), (1.6, True)], ids=["noise-12pc", "slow-60pc"])
+@pytest.mark.parametrize("factor, warned", [(1.12, False), (1.2, False), (1.6, True)],
+                         ids=["noise-12pc", "noise-20pc", "slow-60pc"])
 def test_the_live_watch_warns_only_below_the_floor_and_records_every_flag(tmp_path, caplog, factor, warned):
     records = synthetic(80, 4, slow_rank=3, slow_from=10, factor=factor)
     watch = StragglerWatch(tmp_path, MESH.world_size, DiagnoseConfig(watch_ranks_per_file=4), start_step=0)
