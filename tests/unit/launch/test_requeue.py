@@ -94,11 +94,17 @@ def test_outside_slurm_sigterm_keeps_its_default_and_stop_raises_system_exit(one
 
 
 def test_ctrl_c_asks_for_a_stop_checkpoint_and_a_second_one_stops_at_once(one_rank, tmp_path):
-    # a rank outside any supervisor (`mshpc train` of one process): Ctrl-C as SIGTERM is under Slurm
-    with rq.watch_signals(read_launch_env({}), slurm=SlurmConfig(), run_dir=tmp_path,
-                          checkpoints=tmp_path / "checkpoints") as watcher:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert watcher.should_stop() == rq.StopRequest(signal.SIGTERM, requeue=False)  # checkpoint, then exit
-        with pytest.raises(KeyboardInterrupt):
+    # a rank outside any supervisor (`mshpc train` of one process): Ctrl-C as SIGTERM is under Slurm.
+    # Python's own Ctrl-C handler first, as on a terminal: a test run started in the background
+    # (`make test &`, nohup) inherits SIGINT ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with rq.watch_signals(read_launch_env({}), slurm=SlurmConfig(), run_dir=tmp_path,
+                              checkpoints=tmp_path / "checkpoints") as watcher:
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+            assert watcher.should_stop() == rq.StopRequest(signal.SIGTERM, requeue=False)  # checkpoint, then exit
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, inherited)
