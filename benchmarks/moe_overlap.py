@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 from datetime import timedelta
 
 from mshpc.bench import harness
@@ -103,12 +104,12 @@ def timed(models: dict, batch, args: argparse.Namespace) -> dict[str, dict[str, 
     from mshpc.parallel import comm
 
     TIMERS.configure(True, torch.device("cpu"))
-    out = {name: {"step_s": [], "all_to_all_s": []} for name in models}
+    out = {name: {"step_s": [], "all_to_all_s": [], "counts_s": []} for name in models}
     for r, order in enumerate(turns(list(models), args.rounds + 1)):
         for name in order:
             split = models[name]
             comm.barrier()
-            step_s = a2a_s = 0.0
+            step_s = a2a_s = counts_s = 0.0
             for k in range(args.steps):
                 TIMERS.begin_step(k)
                 split.engine.backward(split.loss_fn(split.engine.model(batch[:, :-1]), batch[:, 1:]))
@@ -117,9 +118,11 @@ def timed(models: dict, batch, args: argparse.Namespace) -> dict[str, dict[str, 
                 seconds, phases = TIMERS.end_step().resolve()
                 step_s += seconds
                 a2a_s += sum(phases.get(p, 0.0) for p in A2A_PHASES)
+                counts_s += phases.get("comm.all_to_all", 0.0)  # the blocking exchange of the counts
             if r > 0:  # round 0 warms up
                 out[name]["step_s"].append(step_s / args.steps)
                 out[name]["all_to_all_s"].append(a2a_s / args.steps)
+                out[name]["counts_s"].append(counts_s / args.steps)
     TIMERS.configure(False, torch.device("cpu"))
     return out
 
@@ -166,7 +169,9 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
     ours, base = ex["overlap"], ex["no_overlap"]
     return [
         {"bench": "moe_overlap", "metric": f"exposed_all_to_all_s_overlap_vs_no_overlap_{label}", "unit": "s",
-         **harness.paired(ours["all_to_all_s"], base["all_to_all_s"]), "target_ratio": 0.6, **context},
+         **harness.paired(ours["all_to_all_s"], base["all_to_all_s"]), "target_ratio": 0.6,
+         "counts_exchange_s": round(statistics.median(ours["counts_s"]), 4),
+         "baseline_counts_exchange_s": round(statistics.median(base["counts_s"]), 4), **context},
         {"bench": "moe_overlap", "metric": f"step_time_overlap_vs_no_overlap_{label}", "unit": "s",
          **harness.paired(ours["step_s"], base["step_s"]), **context},
         harness.record("moe_overlap", f"all_to_all_wire_bytes_per_layer_step_vs_formula_{label}",
