@@ -252,6 +252,9 @@ class DataConfig:
     per_node_reader: bool = False
     doc_mask: bool = False  # attention stays inside each document of a packed sequence
     dali_threads: int = at_least(1, default=2)  # DALI's CPU worker threads per rank
+    # each rank appends the sha256 of every step's windows to <run dir>/windows/rank-NNNNN.jsonl:
+    # shows that a resumed run trained on exactly the windows an uninterrupted one did
+    record_windows: bool = False
 
 
 @dataclass(frozen=True)

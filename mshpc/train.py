@@ -37,6 +37,7 @@ from mshpc.data.pipeline import build_loader
 from mshpc.data.sampler import SequenceSampler
 from mshpc.data.sources import DataSources, adopt_tokenizer, log_blend, open_sources, source_paths
 from mshpc.data.tokenizer_dir import describe, record_tokenizer
+from mshpc.data.window_record import record_path
 from mshpc.diagnose.collector import Collector, build_collector
 from mshpc.diagnose.mfu import mfu
 from mshpc.diagnose.timers import phase
@@ -189,8 +190,9 @@ def build_data(cfg: Config, info: DistInfo, mesh: Mesh, rt: Runtime, start_step:
     data, paths = open_data(cfg, info, fresh=start_step == 0, verify=verify)
     if info.rank == 0:
         log_blend(data, paths, data.sampler(cfg.model.seq_len, cfg.global_batch, cfg.data.seed), cfg.train.steps)
+    record = record_path(run_path(cfg.run), info.rank) if cfg.data.record_windows else None
     loader = build_loader(cfg.data, data, cfg.model.seq_len, cfg.global_batch, mesh.coords.dp,
-                          cfg.parallel.dp, start_step, rt.device, ReaderScope(node=info.node))
+                          cfg.parallel.dp, start_step, rt.device, ReaderScope(node=info.node), record)
     if info.rank == 0:
         log.info("data loader: %s", loader.description)
     return loader

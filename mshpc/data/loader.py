@@ -15,6 +15,7 @@ from typing import Protocol
 
 from mshpc.batch import Batch
 from mshpc.data.window_reader import WindowReader
+from mshpc.data.window_record import WindowRecord
 
 _POLL_S = 0.05  # how often a blocked thread looks at the stop flag: bounds close() latency
 
@@ -54,14 +55,16 @@ class BatchLoader:
     `next()`. `wait_s` sums the seconds the consumer spent blocked in `next()`, and `stalls`
     counts the `next()` calls that found no batch ready; `step` is the step `next()` returns.
     With `pin_memory` (for a GPU) host batches are pinned on the thread too, so that the step's
-    copy to the device is asynchronous.
+    copy to the device is asynchronous. With a `record`, each batch `next()` returns is recorded
+    (data.record_windows): what the step trains on, not what the thread prepared ahead.
     """
 
     def __init__(self, source: BatchSource, start_step: int, prefetch_batches: int,
                  stop: threading.Event | None = None, description: str = "torch",
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, record: WindowRecord | None = None) -> None:
         assert prefetch_batches >= 1, prefetch_batches
         self.source = source
+        self.record = record
         self.pin_memory = pin_memory
         self.step = start_step
         self.description = description  # which loader, and why: logged once by the caller
@@ -121,6 +124,8 @@ class BatchLoader:
         if isinstance(item, BaseException):
             self._error = item
             raise item
+        if self.record is not None:
+            self.record.write(self.step, item)
         self.step += 1
         return item
 
@@ -135,6 +140,8 @@ class BatchLoader:
         if not self._closed:
             self._closed = True
             self.source.close()
+            if self.record is not None:
+                self.record.close()
 
     def __enter__(self) -> BatchLoader:
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -13,6 +14,7 @@ from mshpc.data.loader import BatchLoader, BatchSource, RankSource
 from mshpc.data.node_reader import ReaderScope, start_node_source
 from mshpc.data.shards import TokenDataset
 from mshpc.data.sources import DataSources
+from mshpc.data.window_record import WindowRecord
 from mshpc.errors import ConfigError
 
 HOST = torch.device("cpu")  # the default: batches stay in host memory, moved to the device later
@@ -38,10 +40,11 @@ def choose_loader(cfg: DataConfig, missing: Callable[[], str | None] = dali_miss
 def build_loader(cfg: DataConfig, dataset: TokenDataset | DataSources, seq_len: int, global_batch: int,
                  dp_rank: int, dp_size: int, start_step: int,
                  device: torch.device = HOST,
-                 scope: ReaderScope | None = None) -> BatchLoader:
+                 scope: ReaderScope | None = None, record: Path | None = None) -> BatchLoader:
     """A started loader of rank `dp_rank`'s batches from `start_step` on, on `device` (DALI) or in
     host memory to be moved there. With `cfg.per_node_reader` it is collective over
-    `scope.group` (every rank of it calls this), and `scope` says who shares a reader."""
+    `scope.group` (every rank of it calls this), and `scope` says who shares a reader. With
+    `record`, each batch handed out is recorded there (data.record_windows)."""
     name, why = choose_loader(cfg)
     data = dataset if isinstance(dataset, DataSources) else DataSources.single(dataset)
     windows = data.reader(data.sampler(seq_len, global_batch, cfg.seed), dp_size, cfg.doc_mask)
@@ -56,4 +59,5 @@ def build_loader(cfg: DataConfig, dataset: TokenDataset | DataSources, seq_len: 
     else:
         source = RankSource(windows, dp_rank)
     return BatchLoader(source, start_step, cfg.prefetch_batches, stop, f"{name} ({why})",
-                       pin_memory=device.type == "cuda")
+                       pin_memory=device.type == "cuda",
+                       record=None if record is None else WindowRecord(record, dp_rank))
