@@ -22,6 +22,7 @@ import torch
 
 from mshpc.errors import KernelError
 from mshpc.kernels import library_cache
+from mshpc.kernels.build_lock import exclusive_build
 from mshpc.kernels.library_cache import Recipe, cpu_features
 from mshpc.regular_files import fd_path
 
@@ -114,11 +115,12 @@ def _compile(spec: Recipe, verbose: bool) -> Path:
     library_cache.private_folder(spec.cache_dir)
     folder = library_cache.private_folder(build_dir(spec))
     try:
-        path = cpp_extension.load(
-            name=spec.name, sources=[str(s) for s in spec.sources], build_directory=str(folder),
-            extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
-            extra_cuda_cflags=list(spec.cuda_cflags), with_cuda=spec.with_cuda, is_python_module=False,
-            verbose=verbose)
+        with exclusive_build(folder):  # no wait on the baton of a builder that died
+            path = cpp_extension.load(
+                name=spec.name, sources=[str(s) for s in spec.sources], build_directory=str(folder),
+                extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
+                extra_cuda_cflags=list(spec.cuda_cflags), with_cuda=spec.with_cuda, is_python_module=False,
+                verbose=verbose)
     except (RuntimeError, OSError, ImportError) as exc:
         report = folder / "build-error.log"
         report.write_text(str(exc))
