@@ -60,11 +60,10 @@ CONTENDERS = ("mshpc_eager", "mshpc_compiled", "ddp_eager", "ddp_compiled", "ddp
 def build_steps(cfg, rank: int, micro_batch: int, names: tuple[str, ...]) -> dict:
     """(step, finish) per contender, each on a fresh copy of the same model and this rank's batch."""
     import torch
-    from torch.nn.parallel import DistributedDataParallel
 
+    from mshpc.bench.ddp_baseline import ddp_train_step
     from mshpc.mesh_shape import MeshShape
     from mshpc.model.gpt import GPT, loss_fn
-    from mshpc.optim.optimizer import build_optimizer
     from mshpc.parallel.apply import parallelize
     from mshpc.parallel.compile_blocks import apply_compile
     from mshpc.parallel.mesh import build_mesh
@@ -92,15 +91,7 @@ def build_steps(cfg, rank: int, micro_batch: int, names: tuple[str, ...]) -> dic
         model = fresh(fused_kernels)
         if compiled:
             apply_compile(model.layers.values(), fused_kernels, torch.device("cpu"), fullgraph=True)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
-        opt = build_optimizer(model, cfg.optim)
-
-        def step() -> None:
-            loss_fn(ddp(x), y).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step, lambda: None
+        return ddp_train_step(model, x, y, parallel=cfg.parallel, optim=cfg.optim)
 
     build = {"mshpc_eager": lambda: mshpc_step(False), "mshpc_compiled": lambda: mshpc_step(True),
              "ddp_eager": lambda: ddp_step(False), "ddp_compiled": lambda: ddp_step(True),

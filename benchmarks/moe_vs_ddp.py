@@ -51,12 +51,11 @@ def transformers_moe(moe, d_model: int, expert_ffn: int):
 
 def build_steps(cfg, rank: int, micro_batch: int) -> dict:
     import torch
-    from torch.nn.parallel import DistributedDataParallel
 
+    from mshpc.bench.ddp_baseline import ddp_train_step
     from mshpc.mesh_shape import MeshShape
     from mshpc.model.gpt import GPT, loss_fn
     from mshpc.model.moe import MoE
-    from mshpc.optim.optimizer import build_optimizer
     from mshpc.parallel.apply import parallelize
     from mshpc.parallel.compile_blocks import apply_compile
     from mshpc.parallel.mesh import build_mesh
@@ -87,15 +86,7 @@ def build_steps(cfg, rank: int, micro_batch: int) -> dict:
                 block.mlp = transformers_moe(block.mlp, cfg.model.d_model, cfg.model.expert_ffn)
         if compiled:
             apply_compile(model.layers.values(), cfg.model.fused_kernels, torch.device("cpu"), fullgraph=False)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.parallel.bucket_mb)
-        opt = build_optimizer(model, cfg.optim)
-
-        def step() -> None:
-            loss_fn(ddp(x), y).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step, lambda: None
+        return ddp_train_step(model, x, y, parallel=cfg.parallel, optim=cfg.optim)
 
     build = {"mshpc_eager": lambda: mshpc_step(False), "mshpc_compiled": lambda: mshpc_step(True),
              "ddp_eager": lambda: ddp_step(False), "ddp_compiled": lambda: ddp_step(True)}
