@@ -30,6 +30,10 @@ class FaultHooks:
     def at_step(self, step: int) -> None:
         """The train loop, in the step phase of 0-based `step`, before its forward."""
 
+    def before_write(self, step: int) -> None:
+        """The saver, in the save of `step`, before this rank writes its shard: an OSError raised
+        here is this rank's write error, reported to rank 0 like any other."""
+
     def before_commit(self, step: int) -> None:
         """The saver, once every shard of the save of `step` is written, before rank 0 commits."""
 

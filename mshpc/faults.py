@@ -9,6 +9,8 @@ supervisor's attempt A; without it, in every attempt). KIND one of
   kill   SIGKILL this rank (a crash with no chance to clean up)
   kill_in_save  SIGKILL this rank in stage 2 of the save of step S, after every shard is
                 written and before rank 0 commits (so on rank 0 the save is never committed)
+  enospc_in_save  this rank's shard write of the save of step S fails with ENOSPC (errno 28), as a
+                full file system makes it: the save fails on every rank alike
   slow_save  sleep F seconds at that same point (a slow file system): `slow_save:rank=R:step=S:factor=F`
   stop   SIGSTOP this rank (a hang: the process is frozen, its heartbeat falls silent)
   raise_in_collective  the rank's next collective raises RuntimeError inside comm's door (recorded first)
@@ -30,6 +32,7 @@ Steps are 0-based. A bound fault (see `bind`) records a `fault_injected` event b
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import signal
@@ -48,10 +51,10 @@ from mshpc.events import append_event
 from mshpc.fault_hooks import FaultHooks
 from mshpc.parallel import comm
 
-KINDS = ("raise", "kill", "kill_in_save", "slow_save", "stop", "raise_in_collective", "nan", "corrupt_latest",
+KINDS = ("raise", "kill", "kill_in_save", "enospc_in_save", "slow_save", "stop", "raise_in_collective", "nan", "corrupt_latest",
          "slow", "gemm_slow", "gemm_wrong", "grad_flip", "grad_flips", "corrupt_snapshot")
 # every other kind fires in the step phase
-_PHASE = {"kill_in_save": "save", "slow_save": "save", "slow": "forward", "gemm_slow": "preflight", "gemm_wrong": "preflight",
+_PHASE = {"kill_in_save": "save", "enospc_in_save": "write", "slow_save": "save", "slow": "forward", "gemm_slow": "preflight", "gemm_wrong": "preflight",
           "corrupt_snapshot": "restore"}  # the snapshot keeper's hook (before_restore) fires it
 # what each kind takes besides its target (rank= or node=) and an optional attempt=
 _FIELDS = {"slow": {"step", "factor"}, "slow_save": {"step", "factor"}, "gemm_slow": set(), "gemm_wrong": set(),
@@ -135,6 +138,8 @@ def _fire(fault: Fault, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault.kind == "slow_save":
         time.sleep(fault.factor)
+    elif fault.kind == "enospc_in_save":
+        raise OSError(errno.ENOSPC, f"No space left on device ({message})")
     elif fault.kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif fault.kind == "raise_in_collective":
@@ -239,6 +244,9 @@ class InjectedFaults(FaultHooks):
 
     def at_step(self, step: int) -> None:
         inject(self.faults, self.rank, step)
+
+    def before_write(self, step: int) -> None:
+        inject(self.faults, self.rank, step, "write")
 
     def before_commit(self, step: int) -> None:
         inject(self.faults, self.rank, step, "save")

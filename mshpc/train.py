@@ -302,7 +302,8 @@ def build_parts(cfg: Config, info: DistInfo, rt: Runtime, faults: FaultHooks, ke
     ckpt = TrainCheckpointer(checkpoint_root(cfg.checkpoint, run_dir), info.rank, engine, scheduler, run_dir=run_dir,
                              config_hash=config_hash(cfg), config_record=to_dict(cfg), checkpoint=cfg.checkpoint,
                              parallel=cfg.parallel,
-                             train=cfg.train, data=cfg.data, model_cfg=cfg.model, before_commit=faults.before_commit)
+                             train=cfg.train, data=cfg.data, model_cfg=cfg.model, recovery=cfg.recovery,
+                             before_commit=faults.before_commit, before_write=faults.before_write)
     start_step = 0 if restore else ckpt.resume()
     state = TrainState(engine, scheduler)
     if keeper is not None:
@@ -457,12 +458,13 @@ def report_step(cfg: Config, parts: Parts, rt: Runtime, world_size: int, done: i
 def stop_if_asked(watcher: PreemptionWatcher, ckpt: TrainCheckpointer, done: int, rank: int) -> None:
     """The stop vote, collective over the world: when any rank was signalled, every rank saves
     (unless this step just did), waits for the save, and stops (rank 0 requeues if asked);
-    raises JobStopped."""
+    raises JobStopped. The stop's save must succeed: one that failed at this step (a full disk
+    skipped under recovery.in_place) is tried again, and a failure now ends the run."""
     stop = watcher.should_stop()
     if stop is None:
         return
-    if not ckpt.schedule.due(done):
-        ckpt.save(done)
+    if ckpt.saved_step != done:
+        ckpt.save(done, must_succeed=True)
     ckpt.close()
     watcher.stop(stop, rank)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import logging
 import mmap
 import shutil
@@ -27,13 +28,33 @@ import torch.distributed as dist
 
 from mshpc.checkpoint.h5_shard import ALIGN_BYTES, check_finite, write_shard
 from mshpc.checkpoint.manifest import Manifest, TensorEntry, grouped_by_name, write_manifest
-from mshpc.checkpoint.paths import prune, publish, tmp_dir
+from mshpc.checkpoint.paths import latest_step, prune, publish, step_dir, tmp_dir
 from mshpc.errors import CheckpointError
 from mshpc.loss_check import StateDiverged
 from mshpc.parallel import comm
 from mshpc.tensor_slice import TensorSlice
 
 log = logging.getLogger(__name__)
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class NoSpaceForSave(CheckpointError):
+    """A save failed on every rank alike because a file system was full or a quota used up
+    (ENOSPC, EDQUOT) and nothing else went wrong: its partial files are gone, the previous
+    checkpoint is still the latest. `free_bytes`: what rank 0 saw free under the root then."""
+
+    def __init__(self, message: str, step: int, free_bytes: int | None) -> None:
+        super().__init__(message)
+        self.step, self.free_bytes = step, free_bytes
+
+
+def _free_bytes(root: Path) -> int | None:
+    try:
+        return shutil.disk_usage(root).free
+    except OSError:
+        return None
+
 
 _MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
@@ -168,12 +189,14 @@ class CheckpointSaver:
     so checkpoint traffic never interleaves with the train loop's collectives)."""
 
     def __init__(self, target: SaveTarget, rank: int, group: dist.ProcessGroup, async_save: bool,
-                 before_commit: Callable[[int], None] = lambda step: None) -> None:
+                 before_commit: Callable[[int], None] = lambda step: None,
+                 before_write: Callable[[int], None] = lambda step: None) -> None:
         self.target = target
         self.rank = rank
         self.group = group
         self.async_save = async_save
         self.before_commit = before_commit  # a test hook: fault injection between write and commit
+        self.before_write = before_write  # a test hook: fault injection into this rank's write
         self._snapshot = HostSnapshot()
         self._stage1: Stage1 | None = None
         self._thread: threading.Thread | None = None
@@ -229,6 +252,8 @@ class CheckpointSaver:
             # Rank 0's commit outcome reaches every rank, so none goes on believing in a save
             # that is not there (nor in one that failed on another rank).
             outcome = comm.broadcast_json(error, src=dist.get_global_rank(self.group, 0), group=self.group)
+            if outcome and outcome.get("no_space"):
+                raise NoSpaceForSave(outcome["error"], step, outcome.get("free_bytes"))
             if outcome:
                 raise (StateDiverged if outcome["diverged"] else CheckpointError)(outcome["error"])
         except BaseException as exc:  # handed to the train loop, raised by the next wait()
@@ -239,9 +264,10 @@ class CheckpointSaver:
         entries, or its error) to commit from. Only rank 0 needs the entries, and gathering them
         everywhere sent each rank the whole 1.8 M-entry manifest at 12,288 ranks."""
         folder = tmp_dir(self.target.root, step)
-        error, diverged = None, False
+        error, diverged, no_space = None, False, False
         entries: list[TensorEntry] = []
         try:
+            self.before_write(step)
             for name, piece in host.items():  # a NaN state is never written, so never resumed from
                 check_finite(piece.tensor.reshape(-1), f"rank {self.rank}: step {step}'s tensor {name!r}")
             folder.mkdir(parents=True, exist_ok=True)
@@ -249,20 +275,22 @@ class CheckpointSaver:
         except CheckpointError as exc:
             error, diverged = str(exc), True
         except OSError as exc:
-            error = f"rank {self.rank}: writing {folder / _shard_name(self.rank)}: {exc}"
-        return comm.gather_json({"error": error, "diverged": diverged,
+            error, no_space = f"rank {self.rank}: writing {folder / _shard_name(self.rank)}: {exc}", exc.errno in _NO_SPACE
+        return comm.gather_json({"error": error, "diverged": diverged, "no_space": no_space,
                                  "entries": [dataclasses.asdict(e) for e in entries]},
                                 dst=dist.get_global_rank(self.group, 0), group=self.group)
 
     def _commit(self, step: int, reports: list[dict[str, Any]], extras: dict[str, Any]) -> dict[str, Any] | None:
-        """Rank 0: manifest last, then publish and prune; returns the error (its message, and
-        whether it is a diverged state) or None."""
+        """Rank 0: manifest last, then publish and prune; returns the error (its message, whether
+        it is a diverged state, whether a full disk alone caused it, the bytes then free) or None.
+        A failed save leaves no files of its own behind."""
         t = self.target
         failed = [r for r in reports if r["error"]]
         if failed:
             shutil.rmtree(tmp_dir(t.root, step), ignore_errors=True)
             return {"error": f"checkpoint of step {step} failed: {failed[0]['error']}",
-                    "diverged": failed[0]["diverged"]}
+                    "diverged": failed[0]["diverged"], "no_space": all(r["no_space"] for r in failed),
+                    "free_bytes": _free_bytes(t.root)}
         entries = [TensorEntry(**{**e, "global_shape": tuple(e["global_shape"])})
                    for r in reports for e in r["entries"]]
         # Each tensor's entries together (in rank order), so the manifest's index gives each
@@ -273,7 +301,17 @@ class CheckpointSaver:
             write_manifest(tmp_dir(t.root, step), manifest)
             final = publish(t.root, step)
         except OSError as exc:
-            return {"error": f"committing checkpoint of step {step} in {t.root}: {exc}", "diverged": False}
+            _unpublish(t.root, step)
+            return {"error": f"committing checkpoint of step {step} in {t.root}: {exc}", "diverged": False,
+                    "no_space": exc.errno in _NO_SPACE, "free_bytes": _free_bytes(t.root)}
         deleted = prune(t.root, t.keep)
         log.info("checkpoint %s committed%s", final, f"; pruned steps {deleted}" if deleted else "")
         return None
+
+
+def _unpublish(root: Path, step: int) -> None:
+    """After a failed commit: its files go, and so does its folder if the rename happened but
+    `latest` was not repointed to it, so the checkpoint before stays the newest."""
+    shutil.rmtree(tmp_dir(root, step), ignore_errors=True)
+    if latest_step(root) != step:
+        shutil.rmtree(step_dir(root, step), ignore_errors=True)

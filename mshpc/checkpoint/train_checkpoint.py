@@ -26,7 +26,7 @@ from mshpc.checkpoint.paths import remove_stale_tmp
 from mshpc.checkpoint.reader import CheckpointReader, Request
 from mshpc.checkpoint.relayout import SPLITS_KEY, Relayout, splits_extra
 from mshpc.checkpoint.restore import candidates, resume_from
-from mshpc.checkpoint.saver import CheckpointSaver, SaveTarget
+from mshpc.checkpoint.saver import CheckpointSaver, NoSpaceForSave, SaveTarget
 from mshpc.checkpoint.state import (
     apply_rng,
     buffer_slices,
@@ -38,8 +38,16 @@ from mshpc.checkpoint.state import (
     rng_slices,
     stage_rng,
 )
-from mshpc.config import CheckpointConfig, DataConfig, ModelConfig, ParallelConfig, TrainConfig, global_batch
-from mshpc.errors import CheckpointError
+from mshpc.config import (
+    CheckpointConfig,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RecoveryConfig,
+    TrainConfig,
+    global_batch,
+)
+from mshpc.errors import CheckpointError, MshpcError
 from mshpc.events import append_event
 from mshpc.mesh_shape import Coords, MeshShape
 from mshpc.model.gpt import GPT
@@ -69,12 +77,17 @@ class TrainCheckpointer:
     """Collective over the world: every rank calls `resume`, `save` (on the steps `schedule`
     names) and `close` alike. Checkpoints go under `root`, events to `run_dir`; `config_hash` and
     `config_record` (the resolved config as plain data, config.to_dict) are recorded with each, and
-    a resume compares them with the checkpoint's (compat.py)."""
+    a resume compares them with the checkpoint's (compat.py).
+
+    With `recovery.in_place` a periodic save that fails for a full disk or quota is skipped, not
+    fatal: every rank's state is also in its snapshots and its buddy's, and the next interval
+    tries again. The save at the last step and a stop's save must succeed."""
 
     def __init__(self, root: Path, rank: int, engine: ZeroEngine, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  *, run_dir: Path, config_hash: str, config_record: dict[str, Any], checkpoint: CheckpointConfig,
                  parallel: ParallelConfig, train: TrainConfig, data: DataConfig, model_cfg: ModelConfig,
-                 before_commit: Callable[[int], None] = lambda step: None) -> None:
+                 recovery: RecoveryConfig | None = None, before_commit: Callable[[int], None] = lambda step: None,
+                 before_write: Callable[[int], None] = lambda step: None) -> None:
         self.root, self.run_dir, self.rank, self.world_size = root, run_dir, rank, parallel.world_size
         self.engine, self.optimizer, self.scheduler = engine, engine.optimizer, scheduler
         self.parallel, self.resume_from, self.async_save = parallel, train.resume, checkpoint.async_save
@@ -89,8 +102,11 @@ class TrainCheckpointer:
         p = parallel
         target = SaveTarget(root=root, keep=checkpoint.keep, config_hash=config_hash,
                             layout={"dp": p.dp, "tp": p.tp, "pp": p.pp})
-        self.saver = CheckpointSaver(target, rank, self.group, checkpoint.async_save, before_commit)
+        self.saver = CheckpointSaver(target, rank, self.group, checkpoint.async_save, before_commit, before_write)
         self.schedule = SaveSchedule.of(checkpoint=checkpoint, train=train)
+        # the state lives on in memory snapshots on a buddy too: a save that finds no room can wait
+        self.skip_full_disk = recovery is not None and recovery.in_place
+        self.saved_step: int | None = None  # the last save started and not found failed
         self._restored: dict[str, int] = {}  # what the last restore's stage read and received
         self._changes: list[str] = []  # the settings changed since the checkpoint being resumed
         self._stage1_wait_s: float | None = None  # how long the last update waited for a save's stage 1
@@ -113,8 +129,46 @@ class TrainCheckpointer:
             extras[SPLITS_KEY] = dict(sorted(self._all_splits.items()))  # another tp joins and re-cuts by them
         return extras
 
-    def save(self, step: int) -> float:
-        """Save now, after `step` optimizer steps; return the seconds the loop was blocked."""
+    def save(self, step: int, must_succeed: bool = False) -> float:
+        """Save now, after `step` optimizer steps; return the seconds the loop was blocked. The
+        outcome of the save before is settled first (the same on every rank: rank 0 broadcast
+        it). A save that need not succeed (not the last step's, not `must_succeed`) may fail for
+        a full disk under `skip_full_disk`: a `checkpoint_failed` event, and training goes on."""
+        start = time.perf_counter()
+        self._settle(self.saver.wait, must_succeed=False)  # an async save found failed here was periodic
+        waited = time.perf_counter() - start
+        self.saved_step = step
+        blocking = self._settle(lambda: self._start_save(step), must_succeed or step == self.schedule.last_step)
+        return waited + blocking if blocking is not None else time.perf_counter() - start
+
+    def _settle(self, action: Callable[[], float | None], must_succeed: bool) -> float | None:
+        """Run `action` (which waits for a save); a save failed for a full disk is noted and
+        skipped when allowed, else raised as the one-line CheckpointError it always was."""
+        try:
+            return action()
+        except NoSpaceForSave as exc:
+            if must_succeed or not self.skip_full_disk:
+                raise CheckpointError(str(exc)) from None
+            self._note_failed(exc)
+            return None
+
+    def _note_failed(self, exc: NoSpaceForSave) -> None:
+        """Every rank alike (the outcome came from rank 0): the save is forgotten; rank 0 writes
+        the event, if the run directory takes it, and one warning line."""
+        if self.saved_step == exc.step:
+            self.saved_step = None
+        if self.rank != 0:
+            return
+        free = "unknown" if exc.free_bytes is None else f"{exc.free_bytes / 2**20:.1f} MiB"
+        log.warning("%s; training goes on from the in-memory snapshots (recovery.in_place), the checkpoint before "
+                    "stays the latest, the next interval saves again (%s free)", exc, free)
+        try:
+            append_event(self.run_dir, "checkpoint_failed", step=exc.step, reason=str(exc),
+                         free_bytes=exc.free_bytes)
+        except (MshpcError, OSError) as event_exc:  # the same full disk may hold the run directory
+            log.warning("the checkpoint_failed event of step %d was not recorded: %s", exc.step, event_exc)
+
+    def _start_save(self, step: int) -> float:
         self.engine.wait_params()  # the weights of this step, not half-gathered ones
         slices = {**rng_slices(self.rank), **self.engine.state_slices()}
         # The dp-replicated weights (each tp rank its own shards), for inference and inspection,
@@ -144,8 +198,9 @@ class TrainCheckpointer:
         return wait
 
     def close(self) -> None:
-        """Wait for the save in flight; raises if it failed."""
-        self.saver.wait()
+        """Wait for the save in flight; raises if it failed: the last step's and a stop's save
+        must succeed."""
+        self._settle(self.saver.wait, must_succeed=True)
 
     @property
     def in_flight_step(self) -> int | None:

@@ -2,11 +2,13 @@
 hung rank is replaced inside the running job while the others keep their processes, a suspicious
 step is replayed, a rank that keeps corrupting data has its node evicted; and where the in-memory
 snapshots cannot help (a rank lost with its buddy, a corrupted snapshot), the restart is from disk
-as before. Each run ends bitwise where an undisturbed one does."""
+as before; a periodic save that finds the disk full is skipped. Each run ends bitwise where an
+undisturbed one does."""
 
 import os
 import random
 
+from support.cli_runner import mshpc
 from support.fault_runs import STEPS, assert_recovered_exactly, events, kinds, one, supervised
 
 IN_PLACE = ["recovery.in_place=true"]
@@ -107,3 +109,25 @@ def test_a_rank_that_keeps_corrupting_data_has_its_node_evicted_and_named(refere
     assert one(evs, "recover_in_place")["replaced"][0]["node"] == "slot2"
     assert one(evs, "run_end")["evicted"] == ["slot1"]
     assert_recovered_exactly(tmp_path / "e", reference)
+
+
+def test_a_periodic_save_failing_for_a_full_disk_is_skipped_and_training_goes_on(reference, tmp_path, corpus_cache):
+    # saves at 2, 4, 6, 8 (in the background): rank 1's write of step 4 finds no space; the save
+    # of step 6 learns it, on every rank alike, and goes on
+    out = supervised(tmp_path, corpus_cache, "s", *IN_PLACE, faults="enospc_in_save:rank=1:step=4")
+    assert out.returncode == 0, out.stderr[-3000:]
+    evs = events(tmp_path / "s")
+    failed = one(evs, "checkpoint_failed")
+    assert failed["step"] == 4 and failed["free_bytes"] > 0
+    assert failed["reason"].startswith("checkpoint of step 4 failed: rank 1: writing ")
+    assert "No space left on device" in failed["reason"]
+    warnings = [line for line in out.stderr.splitlines() if "training goes on from the in-memory snapshots" in line]
+    assert len(warnings) == 1 and "checkpoint of step 4 failed" in warnings[0]
+    assert "failure_detected" not in kinds(evs) and kinds(evs).count("attempt_start") == 1
+    root = tmp_path / "s" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-0000002", "step-0000006", "step-0000008"]
+    assert os.readlink(root / "latest") == "step-0000008"
+    for step in ("step-0000006", "step-0000008"):  # the saves after the failed one are whole
+        verify = mshpc("ckpt", "verify", str(root / step))
+        assert verify.returncode == 0, verify.stderr
+    assert_recovered_exactly(tmp_path / "s", reference)

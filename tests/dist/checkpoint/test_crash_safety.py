@@ -83,14 +83,23 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_full_disk_fails_the_save_and_keeps_the_last_good_one(small_tmpfs, tmp_path, corpus_cache):
-    where = f"checkpoint.dir={small_tmpfs}"
-    out = run(tmp_path, corpus_cache, "d", where, expect=2)
+def _full_disk_ends_the_run_at_its_last_save(tmp_path, cache, mnt, *overrides):
+    out = run(tmp_path, cache, "d", f"checkpoint.dir={mnt}", *overrides, expect=2)
     last = out.stderr.strip().splitlines()[-1]
     assert "CheckpointError: checkpoint of step 8 failed" in last and "No space left on device" in last
-    assert os.readlink(small_tmpfs / "latest") == "step-0000004"
+    assert os.readlink(mnt / "latest") == "step-0000004"
     assert len(losses(tmp_path, "d")) == 8  # what was trained and logged before the failure is kept
+
+
+def test_full_disk_fails_the_save_and_keeps_the_last_good_one(small_tmpfs, tmp_path, corpus_cache):
+    _full_disk_ends_the_run_at_its_last_save(tmp_path, corpus_cache, small_tmpfs)
     # the disk is still full: resume and train on without saving
-    out = run(tmp_path, corpus_cache, "d", where, "train.steps=6", "checkpoint.interval_steps=0")
+    out = run(tmp_path, corpus_cache, "d", f"checkpoint.dir={small_tmpfs}", "train.steps=6", "checkpoint.interval_steps=0")
     assert "resumed from step 4" in out.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "d")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_full_disk_at_the_last_save_ends_the_run_with_recovery_in_place_too(small_tmpfs, tmp_path, corpus_cache):
+    # recovery in place skips only a periodic save that finds the disk full (tests/faults/test_in_place.py);
+    # step 8 is the run's last, whose save must succeed
+    _full_disk_ends_the_run_at_its_last_save(tmp_path, corpus_cache, small_tmpfs, "recovery.in_place=true")
