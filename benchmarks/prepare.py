@@ -1,6 +1,8 @@
 """`mshpc prepare` against `datasets.map(batched=True, num_proc=W)` on the same generated JSONL
 corpus with the same byte-level BPE (issue #39): MB/s side by side, and mshpc's peak memory on the
-corpus against its peak on a tenth of it (streaming: it must not grow with the corpus).
+corpus against its peak on a tenth of it (streaming: it must not grow with the corpus). A third
+side, the tokenizer alone (encode_batch_fast on W processes, nothing written), gives the ceiling:
+the ratio to datasets.map that a prepare spending nothing but the tokenizer's time would reach.
 
     .venv/bin/python benchmarks/prepare.py                 # 1,000 MB corpus against 100 MB, 2 workers, 1 round
     .venv/bin/python benchmarks/prepare.py --mb 50 --rounds 3
@@ -42,6 +44,29 @@ def encode(batch):
     return {"input_ids": [e.ids for e in tok.encode_batch_fast(batch["text"])]}
 ds = datasets.load_dataset("json", data_files=corpus, split="train", cache_dir=cache)
 ds.map(encode, batched=True, num_proc=workers, remove_columns=ds.column_names)
+"""
+# The ceiling: the same tokenizer's encode_batch_fast on the same records, on W forked processes
+# (each parses its own lines), nothing kept or written. A prepare can hardly beat it with this
+# tokenizer, so datasets.map's time over this one is about the best ratio any prepare can reach.
+ENCODE_ONLY = """
+import json, sys, multiprocessing
+from tokenizers import Tokenizer
+corpus, tok_path, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tok = Tokenizer.from_file(tok_path)
+def encode(lines):
+    return len(tok.encode_batch_fast([json.loads(line)["text"] for line in lines]))
+def blocks(size=1000):
+    with open(corpus, "rb") as f:
+        block = []
+        for line in f:
+            block.append(line)
+            if len(block) == size:
+                yield block
+                block = []
+        if block:
+            yield block
+with multiprocessing.get_context("fork").Pool(workers) as pool:
+    sum(pool.imap(encode, blocks()))
 """
 TOKENIZER_CORPUS_MB = 10.0
 SAMPLE_S = 0.1
@@ -145,6 +170,10 @@ class Contest:
         finally:
             shutil.rmtree(out, ignore_errors=True)
 
+    def encode_only(self, corpus: Path) -> tuple[float, float, int, int]:
+        return run([sys.executable, "-c", ENCODE_ONLY, str(corpus), str(self.work / "tok" / "tokenizer.json"),
+                    str(self.workers)], self.env)
+
     def datasets_map(self, corpus: Path) -> tuple[float, float, int, int]:
         out = self.work / "datasets-out"
         try:
@@ -155,23 +184,27 @@ class Contest:
 
 
 def throughput(contest: Contest, corpus: Path, rounds: int, vocab: int) -> tuple[int, int]:
-    """Both sides on `corpus`, taking turns; emits MB/s side by side; mshpc's peak (PSS, RSS)."""
+    """The three sides on `corpus`, taking turns; emits mshpc's MB/s against datasets.map's, then the
+    tokenizer alone's against datasets.map's (the ratio's ceiling); mshpc's peak (PSS, RSS)."""
     mb = corpus.stat().st_size / 1e6
-    seconds: dict[str, list[float]] = {"mshpc": [], "datasets": []}
-    cpu: dict[str, list[float]] = {"mshpc": [], "datasets": []}
-    peaks: dict[str, list[tuple[int, int]]] = {"mshpc": [], "datasets": []}
-    for order in turns(list(seconds), rounds):
+    sides = {"mshpc": contest.prepare, "datasets": contest.datasets_map, "encode_only": contest.encode_only}
+    seconds: dict[str, list[float]] = {k: [] for k in sides}
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
+    peaks: dict[str, list[tuple[int, int]]] = {k: [] for k in sides}
+    for order in turns(list(sides), rounds):
         for name in order:
-            took, cpu_s, pss, rss = contest.prepare(corpus) if name == "mshpc" else contest.datasets_map(corpus)
+            took, cpu_s, pss, rss = sides[name](corpus)
             seconds[name].append(took)
             cpu[name].append(cpu_s)
             peaks[name].append((pss, rss))
     rates = {k: [mb / s for s in v] for k, v in seconds.items()}
-    line = record("prepare", "mb_per_s_vs_datasets_map", float(np.median(rates["mshpc"])), "MB/s",
-                  float(np.median(rates["datasets"])), corpus_mb=round(mb), workers=contest.workers, vocab=vocab,
-                  peak_pss_mib={k: mib(max(v)[0]) for k, v in peaks.items()},
-                  mb_per_cpu_s={k: round(mb / float(np.median(v)), 3) for k, v in cpu.items()}, load=load_average())
-    emit({**line, **paired(rates["mshpc"], rates["datasets"])})
+    common = {"corpus_mb": round(mb), "workers": contest.workers, "vocab": vocab,
+              "peak_pss_mib": {k: mib(max(v)[0]) for k, v in peaks.items()},
+              "mb_per_cpu_s": {k: round(mb / float(np.median(v)), 3) for k, v in cpu.items()}}
+    for name, metric in (("mshpc", "mb_per_s_vs_datasets_map"), ("encode_only", "ceiling_mb_per_s_vs_datasets_map")):
+        line = record("prepare", metric, float(np.median(rates[name])), "MB/s", float(np.median(rates["datasets"])),
+                      **common, load=load_average())
+        emit({**line, **paired(rates[name], rates["datasets"])})
     return max(peaks["mshpc"])
 
 
