@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mshpc.config import ModelConfig
+from mshpc.graph_breaks import eager_function, eager_method
 from mshpc.kernels.dispatch import Kernels, select_kernels
 from mshpc.model.router import Router, Routing, aux_loss, z_loss
 
@@ -102,10 +103,14 @@ def _grouped_gemms(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj
     return torch._grouped_mm(kernels.swiglu(h), proj.transpose(-2, -1), offs=offs)
 
 
-_grouped_gemms_eager = torch.compiler.disable(_grouped_gemms)
+@eager_function
+def _grouped_gemms_eager(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor,
+                         kernels: Kernels) -> torch.Tensor:
+    """_grouped_gemms between the compiled graphs."""
+    return _grouped_gemms(x, counts, fc, proj, kernels)
 
 
-@torch.compiler.disable  # split sizes read on the host: a graph break either way
+@eager_function  # split sizes read on the host: a graph break either way
 def _expert_loop(x: torch.Tensor, counts: torch.Tensor, fc: torch.Tensor, proj: torch.Tensor,
                  kernels: Kernels) -> torch.Tensor:
     """Every expert's SwiGLU, one after the other (a host sync: the split sizes)."""
@@ -250,7 +255,7 @@ class MoE(nn.Module):
         return _AuxLossGrad.apply(out, loss, self.loss_scale)
 
     # between compiled graphs: a side effect that a recomputation must skip, decided when it runs
-    @torch.compiler.disable
+    @eager_method
     @torch.no_grad()
     def _record(self, routed: torch.Tensor, dropped: torch.Tensor, aux: torch.Tensor, z: torch.Tensor) -> None:
         """Add this micro-batch to the step's statistics, each a share that sums over the world to

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mshpc import graph_breaks
 from mshpc.kernels.dispatch import REFERENCE, Kernels
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def apply_compile(blocks: Iterable[nn.Module], mode: str, device: torch.device, 
     resharding see the same model). `fullgraph`: fail on any graph break (no tensor parallelism:
     a block is one graph); under tp the collectives, timed and recorded by parallel/comm.py, run
     eagerly between graphs. `mode` is model.fused_kernels (see compile_kernels)."""
+    graph_breaks.apply()  # the functions that run between graphs: marked now, not at import
     chosen = None
     for block in blocks:
         for module in block.modules():

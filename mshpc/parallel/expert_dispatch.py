@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mshpc.graph_breaks import eager_method
 from mshpc.model.moe import MoE
 from mshpc.model.router import Routing
 from mshpc.parallel import comm
@@ -123,7 +124,7 @@ class AllToAllDispatch:
 
     # the split sizes are read on the host (their counts exchanged first): under train.compile the
     # dispatch runs between the block's graphs, as tp's collectives do
-    @torch.compiler.disable
+    @eager_method
     def start(self, x: torch.Tensor, routing: Routing, layer: MoE) -> _Exchange:
         """Permute each chunk's tokens into expert order, exchange the counts (one small blocking
         all-to-all), and start every chunk's dispatch."""
@@ -181,7 +182,7 @@ class _Exchange:
         self.combines: list[tuple[torch.Tensor, _Flight]] = []
         self.shared: torch.Tensor | None = None
 
-    @torch.compiler.disable
+    @eager_method
     def compute(self) -> None:
         if self.combines:
             return
@@ -193,7 +194,7 @@ class _Exchange:
             y = d.experts(received, self.from_ranks[c], layer)
             self.combines.append(d._exchange(y, flight.recv_rows, flight.send_rows))
 
-    @torch.compiler.disable
+    @eager_method
     def finish(self) -> torch.Tensor:
         self.compute()
         outs = []
