@@ -5,7 +5,7 @@ A crash is a rank that ended without saying "ok": its "failed" message, or its c
 process ending without one (SIGKILL, a lost node). The earliest such rank is the one that failed;
 the others usually only echo it (their peer went away mid-collective). A rank whose error says in
 so many words that it echoes another's ("... failed on 1 other rank(s)", from a step that raises
-on every rank when one fails) is never the one named while the rank it echoes can still speak,
+on every rank when one fails; "Connection reset by peer", its transport's) is never the one named while the rank it echoes can still speak,
 whichever exited first. A hang is a rank whose current phase has lasted longer than that phase's
 timeout (mshpc/launch/timeouts.py).
 """
@@ -26,8 +26,13 @@ from mshpc.launch.timeouts import phase_timeout
 Kind = Literal["crash", "hang", "loss", "user_error"]
 SETTLE_S = 0.5  # after a first failure, what else ended this soon after is taken in before deciding
 ECHO_WAIT_S = 5.0  # how long an echo waits for the failure it echoes, when that rank has not ended yet
-# parallel.comm.raise_if_any_failed's words on the ranks where the step did not fail itself
-_ECHO = re.compile(r"failed on \d+ other rank\(s\); see their error")
+# What a rank says when it failed only because another did: parallel.comm.raise_if_any_failed's
+# words on the ranks where the step did not fail itself, and the transports' words for a peer
+# that went away mid-collective (gloo's TCP pair; NCCL's remote error). A peer killed by SIGKILL
+# says nothing, and under load the supervisor may see its end after the survivor's report: read
+# as a cause, that report named the survivor (exit 1 instead of the killed rank's 137).
+_ECHO = re.compile(r"failed on \d+ other rank\(s\); see their error"
+                   r"|Connection (?:reset|closed) by peer|remote process exited or there was a network error")
 
 
 @dataclass(frozen=True)

@@ -51,3 +51,23 @@ def test_the_launchers_words_count_when_the_rank_said_nothing():
                      exit_detail=f"rank 1 exited with code 2: MshpcError: {ECHO}")
     states = {0: training(0), 1: echo}
     assert detect(states, CFG, time.monotonic()) is None
+
+
+def killed(rank: int, ago_s: float) -> RankState:
+    """A rank killed by SIGKILL `ago_s` seconds ago, as the supervisor saw it: no word from it."""
+    t = time.time() - ago_s
+    return RankState(rank, host=f"slot{rank}", exit_code=-9, exited_at=t, closed_at=t)
+
+
+PEER_LOST = "[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41234: Connection reset by peer"
+
+
+def test_a_peer_lost_error_waits_for_the_silent_end_it_echoes():
+    # rank 1 killed; rank 0's collective failed first by its own clock, the supervisor saw rank 1's
+    # end later (a loaded machine): the killed rank is named, not the survivor
+    states = {0: failed(0, "DistBackendError", PEER_LOST, ago_s=1.0), 1: training(1)}
+    assert detect(states, CFG, time.monotonic()) is None
+    states[1] = killed(1, ago_s=0.6)
+    det = detect(states, CFG, time.monotonic())
+    assert det is not None and det.rank == 1 and det.kind == "crash" and det.exit_code == 137
+    assert det.detail == "rank 1 was killed by SIGKILL"
