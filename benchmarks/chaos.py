@@ -44,7 +44,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mshpc.bench import harness
+from mshpc.bench import disk_fill, harness
 from mshpc.bench.harness import REPO
 from mshpc.bench.processes import children
 from mshpc.run_dir import read_metrics
@@ -229,23 +229,6 @@ def flip_byte(ckpt_root: Path, seed: int) -> str:
     return f"{shard.name}:{name}"
 
 
-def fill_disk(where: Path) -> Path:
-    """Take every free byte of `where`'s file system; returns the filler to delete."""
-    filler = where / ".chaos-filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        with contextlib.suppress(OSError):  # tmpfs keeps some bytes back: the writes take the rest
-            os.posix_fallocate(fd, 0, max(shutil.disk_usage(where).free - 2**20, 1))
-        os.lseek(fd, 0, os.SEEK_END)
-        for chunk in (2**16, 2**12, 1):
-            with contextlib.suppress(OSError):
-                while True:
-                    os.write(fd, b"\0" * chunk)
-    finally:
-        os.close(fd)
-    return filler
-
-
 def inject(run: ChaosRun, fault: Fault) -> None:
     fault.injected_at = time.time()
     if fault.kind in ("kill", "stop", "flip"):
@@ -256,7 +239,7 @@ def inject(run: ChaosRun, fault: Fault) -> None:
     elif fault.kind == "sigterm":
         run.current.proc.send_signal(signal.SIGTERM)
     elif fault.kind == "enospc":
-        filler = fill_disk(run.out)
+        filler = disk_fill.fill(run.out)
         time.sleep(FULL_DISK_S)
         filler.unlink()
 

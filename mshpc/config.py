@@ -412,10 +412,18 @@ class RecoveryConfig:
     # the local launcher keeps one process per job with torch imported, waiting to replace a
     # lost rank (a cold start imports torch first: seconds); off: replacements start cold
     standby: bool = True
+    # in place, a disk full where the run writes its own files (metrics, timings, events) holds their
+    # lines in memory this long before failing the run (mshpc/full_disk.py); off: it fails at once
+    full_disk_grace_s: float = at_least(0.0, default=60.0)
 
     @property
     def snapshots(self) -> bool:
         return self.in_place or self.replay
+
+    @property
+    def full_disk_hold_s(self) -> float:
+        """How long this process holds the run files' lines a full disk refuses (0: not at all)."""
+        return self.full_disk_grace_s if self.in_place else 0.0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mshpc.errors import writing_to
+from mshpc.full_disk import append_line_shared
 from mshpc.regular_files import open_regular, read_text_lines
 
 EVENTS_FILE = "events.jsonl"
@@ -28,7 +29,7 @@ def append_event(run_dir: Path, kind: str, **fields: Any) -> dict[str, Any]:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = open_for_append(path)
         try:
-            os.write(fd, line)
+            append_line_shared(fd, line, str(path))  # held a moment if the disk is full (recovery.in_place)
         finally:
             os.close(fd)
     return record
@@ -40,9 +41,13 @@ def open_for_append(path: Path) -> int:
     being lost with it to every reader). Two processes that both end it leave an empty line,
     which readers skip like a torn one."""
     fd = open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644, own=True)
-    size = os.fstat(fd).st_size
-    if size and os.pread(fd, 1, size - 1) != b"\n":
-        os.write(fd, b"\n")
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            append_line_shared(fd, b"\n", str(path))
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

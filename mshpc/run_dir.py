@@ -8,11 +8,12 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from mshpc.config import RunConfig
 from mshpc.errors import RunEnvironmentError, writing_to
 from mshpc.events import open_for_append, read_jsonl
+from mshpc.full_disk import HeldAppend
 from mshpc.regular_files import write_own
 
 METRICS_FILE = "metrics.jsonl"
@@ -50,10 +51,11 @@ def read_attempts(path: Path) -> list[dict[str, Any]]:
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to metrics.jsonl, flushed at once so that a
+    """Appends one JSON object per logged step to metrics.jsonl, written at once so that a
     crash loses nothing already logged. Nothing is ever truncated: each attempt (a restart, a
     resume, a new run of the same name) first appends its marker, which `read_metrics` reads
-    the final history by. A full disk is a RunEnvironmentError naming the file."""
+    the final history by. A full disk is a RunEnvironmentError naming the file (under
+    recovery.in_place, after its grace: mshpc/full_disk.py)."""
 
     def __init__(self, path: Path, start_step: int) -> None:
         self.path, self._failed = path, False
@@ -61,24 +63,22 @@ class MetricsLog:
             self.attempt = len(read_attempts(path)) + 1
             marker = {ATTEMPT_KEY: self.attempt, "start_step": start_step, "time": time.time()}
             # O_APPEND through open_regular: never through a planted link, never another user's file
-            self._file: TextIO = os.fdopen(open_for_append(path), "a")  # a torn last line ended first
-            self._file.write(json.dumps(marker) + "\n")
-            self._file.flush()
+            self._file = HeldAppend(open_for_append(path), str(path))  # a torn last line ended first
+            self._file.write((json.dumps(marker) + "\n").encode())
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n"
         try:
             with writing_to(self.path):
-                self._file.write(line)
-                self._file.flush()
+                self._file.write(line.encode())
         except (OSError, RunEnvironmentError):
             self._failed = True
             raise
 
     def close(self) -> None:
-        if self._failed:  # what is left in the buffer fails again: said once, by write()
+        if self._failed:  # what is held fails again: said once, by write()
             with contextlib.suppress(OSError):
-                self._file.close()
+                os.close(self._file.fd)
             return
         with writing_to(self.path):
             self._file.close()

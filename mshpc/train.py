@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mshpc import full_disk
 from mshpc.batch import Batch
 from mshpc.checkpoint.paths import checkpoint_root, committed_steps, latest_step
 from mshpc.checkpoint.train_checkpoint import TrainCheckpointer
@@ -524,6 +525,7 @@ def train(cfg: Config, env: LaunchEnv) -> list[float]:
     process, by the next one the supervisor starts (mshpc/launch/rejoin.py)."""
     run_dir = run_path(cfg.run)
     checkpoints = checkpoint_root(cfg.checkpoint, run_dir)
+    full_disk.hold_for(cfg.recovery.full_disk_hold_s)  # the run files' lines a full disk refuses
     # first: a signal during start-up must not kill the rank
     watcher = watch_signals(env, slurm=cfg.slurm, run_dir=run_dir, checkpoints=checkpoints)
     try:

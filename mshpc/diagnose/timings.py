@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from mshpc.diagnose.timers import CATEGORIES, StepSpans, category
 from mshpc.diagnose.watch_stream import StreamWriter
 from mshpc.errors import RunEnvironmentError, writing_to
 from mshpc.events import open_for_append
+from mshpc.full_disk import HeldAppend
 from mshpc.mesh_shape import Coords, MeshShape
 
 log = logging.getLogger(__name__)
@@ -83,10 +84,11 @@ class TimingsWriter:
         self.path, self._stream = path, stream  # stream: this rank's watch record of each step
         with writing_to(path):
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file: TextIO = os.fdopen(open_for_append(path), "a")  # a restart after a torn line
-            self._file.write(json.dumps(head) + "\n")
-            self._file.flush()
-            self._offset = os.fstat(self._file.fileno()).st_size  # where the next line starts
+            # a restart after a torn line; lines a full disk refuses wait there (mshpc/full_disk.py)
+            self._file = HeldAppend(open_for_append(path), str(path))
+            self._file.write((json.dumps(head) + "\n").encode())
+            # where the next line starts (lines held back by a full disk included)
+            self._offset = os.fstat(self._file.fd).st_size + len(self._file.held)
         self._flush_interval_s, self._after_write = flush_interval_s, after_write
         self._error: OSError | RunEnvironmentError | None = None  # set once, by the thread, as it stops
         self._raised = False
@@ -105,7 +107,7 @@ class TimingsWriter:
         self._thread.join()
         if self._error is not None:  # the buffer's rest fails again: the first error says it
             with contextlib.suppress(OSError):
-                self._file.close()
+                os.close(self._file.fd)
             self._raise_error()
             return
         with writing_to(self.path):
@@ -141,8 +143,8 @@ class TimingsWriter:
             while waiting and (waiting[0].ready() or (closing and _settle(waiting[0]))):
                 self._write(waiting.pop(0))  # in step order: a later step never waits on nothing
             if closing or time.monotonic() - last_flush >= self._flush_interval_s:
-                self._file.flush()
-                if self._stream is not None:  # after the lines its records point into
+                # the stream after the lines its records point into; a full disk holds both
+                if self._file.flush() and self._stream is not None:
                     self._stream.flush()
                 last_flush = time.monotonic()
 
@@ -151,7 +153,7 @@ class TimingsWriter:
         record = {"step": spans.step, "time": time.time(), "step_s": round(step_s, 7),
                   "spans": len(spans.spans), "phases": {k: round(v, 7) for k, v in phases.items()}}
         line = json.dumps(record) + "\n"  # ASCII (json's default): its length is its bytes
-        self._file.write(line)
+        self._file.add(line.encode())
         if self._stream is not None:
             compute, data_wait = (sum(v for p, v in phases.items() if category(p) == c) for c in ("compute", "data wait"))
             self._stream.add(spans.step, step_s, compute, data_wait, self._offset)

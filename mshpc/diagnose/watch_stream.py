@@ -22,6 +22,7 @@ Records are written at the timings thread's flush, after the JSON lines they poi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -36,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from mshpc.errors import writing_to
+from mshpc.full_disk import FullSince, retry_until_written
 from mshpc.regular_files import open_regular
 
 WATCH_DIR = "watch"
@@ -80,6 +82,8 @@ class StreamWriter:
             self._fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT, 0o644, own=True)  # shared: never truncated
             os.pwrite(self._fd, _SLOT_HEAD.pack(len(data), zlib.crc32(data)) + data, slot * HEAD_BYTES)
         self._buffer: list[tuple[int, float, float, float, int, int]] = []
+        self._held: collections.deque[tuple[int, bytes]] = collections.deque()  # encoded, not yet written
+        self._full = FullSince(str(self.path))
 
     def add(self, step: int, step_s: float, compute_s: float, data_wait_s: float, line_offset: int) -> None:
         if step > self._start_step:  # an earlier step is not this process's to record
@@ -95,13 +99,26 @@ class StreamWriter:
         offsets = self._first + (records["step"] - self._start_step - 1) * self._row_bytes
         return [(int(o), r.tobytes()) for o, r in zip(offsets, records, strict=True)]
 
-    def flush(self) -> None:
-        for offset, data in self.take_encoded():
-            os.pwrite(self._fd, data, offset)  # one record, one write: a torn one fails its check
+    def flush(self) -> bool:
+        """Write the buffered records; False while a full disk holds some back (recovery.in_place:
+        mshpc/full_disk.py), True when all are written."""
+        self._held.extend(self.take_encoded())
+        while self._held:
+            offset, data = self._held[0]
+            try:
+                os.pwrite(self._fd, data, offset)  # one record, one write: a torn one fails its check
+            except OSError as exc:
+                self._full.refused(exc)  # and a torn one is written whole again next time
+                return False
+            self._held.popleft()
+        self._full.cleared()
+        return True
 
     def close(self) -> None:
-        self.flush()
-        os.close(self._fd)
+        try:
+            retry_until_written(self.flush)
+        finally:
+            os.close(self._fd)
 
 
 class StreamReader:

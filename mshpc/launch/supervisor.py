@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from mshpc import full_disk
 from mshpc.config import ParallelConfig, RecoveryConfig, SupervisorConfig
 from mshpc.errors import USER_ERROR_EXIT
 from mshpc.events import append_event
@@ -157,6 +158,7 @@ class Supervisor:
         """Train to the end, restarting as allowed; returns the exit code for the caller, or
         raises JobStopped (a SystemExit) when the job stopped on request or was requeued. The
         run directory is locked from before the first event to after `run_end`."""
+        full_disk.hold_for(self.recovery.full_disk_hold_s)  # this process's writes of the run's files
         with hold_run_lock(self.run_dir):
             return self._run()
 

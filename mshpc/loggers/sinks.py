@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from mshpc.config import RunConfig
 from mshpc.errors import writing_to
 from mshpc.events import EVENTS_FILE
+from mshpc.full_disk import FullSince
 from mshpc.regular_files import open_regular, read_regular, write_own
 from mshpc.run_dir import MetricsLog
 
@@ -44,6 +45,7 @@ class EventTail:
 
     def __init__(self, run_dir: Path) -> None:
         self.path, self.offset_path = run_dir / EVENTS_FILE, run_dir / OFFSET_FILE
+        self._full = FullSince(str(self.offset_path))
         try:
             self.offset = int(read_regular(self.offset_path, 64))
         except (OSError, ValueError):
@@ -72,7 +74,12 @@ class EventTail:
                 continue  # torn by a crash
         self.offset += len(whole)
         with writing_to(self.offset_path):
-            write_own(self.offset_path, str(self.offset))
+            try:
+                write_own(self.offset_path, str(self.offset))
+            except OSError as exc:  # a full disk under recovery.in_place: the next call writes it
+                self._full.refused(exc)
+            else:
+                self._full.cleared()
         return records
 
 

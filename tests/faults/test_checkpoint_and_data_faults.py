@@ -5,14 +5,19 @@ short under the running job stops it at once as a data error (exit 2), not as a 
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import h5py
-from support.cli_runner import REPO, mshpc, read_metrics, train_args
-from support.fault_runs import SUPERVISED, assert_recovered_exactly, events, kinds, one, supervised
+from support.cli_runner import mshpc
+from support.fault_runs import (
+    assert_recovered_exactly,
+    events,
+    kinds,
+    one,
+    start_supervised,
+    supervised,
+    wait_for_step,
+)
 from support.token_data import make_random_dataset
 
 TENSOR = "model/layers.0.mlp.fc.weight"
@@ -54,24 +59,6 @@ def test_a_corrupt_model_copy_is_rebuilt_from_the_masters_on_resume(reference, t
     verified = mshpc("ckpt", "verify", str(ckpts))
     assert verified.returncode == 0 and "step-0000006: OK" in verified.stdout, verified.stdout + verified.stderr
     assert_recovered_exactly(tmp_path / "m", reference)
-
-
-def start_supervised(tmp_path: Path, cache: Path, name: str, *overrides: str) -> subprocess.Popen:
-    """`supervised`, started in the background; its output goes to `name`.log (a pipe nobody
-    reads while the test waits could fill and stall it)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI", "OMPI_"))}
-    args = train_args(tmp_path, cache, *SUPERVISED, *overrides, name=name)
-    with open(tmp_path / f"{name}.log", "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "mshpc", *args, "--nproc", "2"], cwd=REPO, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def wait_for_step(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)):
-        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before its first step"
-        assert time.monotonic() < deadline, "no step logged"
-        time.sleep(0.05)
 
 
 def test_a_shard_truncated_under_the_job_is_a_data_error_at_once(tmp_path, corpus_cache):

@@ -3,13 +3,28 @@ hung rank is replaced inside the running job while the others keep their process
 step is replayed, a rank that keeps corrupting data has its node evicted; and where the in-memory
 snapshots cannot help (a rank lost with its buddy, a corrupted snapshot), the restart is from disk
 as before; a periodic save that finds the disk full is skipped. Each run ends bitwise where an
-undisturbed one does."""
+undisturbed one does; a moment of full disk under the run's own files holds their lines back."""
 
 import os
 import random
+import signal
+import time
 
-from support.cli_runner import mshpc
-from support.fault_runs import STEPS, assert_recovered_exactly, events, kinds, one, supervised
+from support.cli_runner import mshpc, read_metrics
+from support.fault_runs import (
+    STEPS,
+    assert_recovered_exactly,
+    events,
+    kinds,
+    one,
+    start_supervised,
+    supervised,
+    wait_for_step,
+)
+from support.tmpfs import mounted_tmpfs
+
+from mshpc.bench.disk_fill import fill
+from mshpc.events import read_events
 
 IN_PLACE = ["recovery.in_place=true"]
 
@@ -131,3 +146,35 @@ def test_a_periodic_save_failing_for_a_full_disk_is_skipped_and_training_goes_on
         verify = mshpc("ckpt", "verify", str(root / step))
         assert verify.returncode == 0, verify.stderr
     assert_recovered_exactly(tmp_path / "s", reference)
+
+
+def test_a_full_disk_under_the_run_files_holds_their_lines_and_training_goes_on(tmp_path, corpus_cache):
+    # the run directory on a tmpfs of its own, made full after the first step until a rank says it
+    # holds lines back (the run cannot end before: its last writes wait for space); checkpoints
+    # elsewhere (a save on a full disk: the test above). Steps enough that metrics.jsonl and the
+    # timings outgrow the tmpfs pages they have when it fills.
+    steps = 60
+    with mounted_tmpfs(tmp_path / "disk", "4m") as disk:
+        proc = start_supervised(tmp_path, corpus_cache, "f", *IN_PLACE, f"train.steps={steps}", f"run.out_dir={disk}",
+                                f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval_steps=20",
+                                "diagnose.flush_interval_s=0.1")
+        log = tmp_path / "f.log"
+        try:
+            wait_for_step(proc, disk / "f")
+            filler = fill(disk)
+            deadline = time.monotonic() + 120
+            while "holding its lines in memory" not in log.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            time.sleep(0.5)  # more lines held while it is full
+            filler.unlink()
+            assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:  # the test failed with the job still running: end it and its ranks
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert [r["step"] for r in read_metrics(disk / "f")] == list(range(1, steps + 1))
+        evs = read_events(disk / "f")
+        assert "failure_detected" not in kinds(evs) and kinds(evs).count("attempt_start") == 1
+        assert one(evs, "run_end")["exit_code"] == 0
+        assert "written again after" in log.read_text()

@@ -1,10 +1,14 @@
 """Shared by tests/faults: a small supervised run through the real CLI, and what its events say."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from support.ckpt_runs import final_params
-from support.cli_runner import mshpc, read_metrics, train_args
+from support.cli_runner import REPO, mshpc, read_metrics, train_args
 
 STEPS = 8
 HEARTBEAT_S = 0.2
@@ -19,6 +23,24 @@ def supervised(tmp_path: Path, cache: Path, name: str, *overrides: str, faults: 
     out = mshpc(*train_args(tmp_path, cache, *SUPERVISED, *overrides, name=name), "--nproc", str(nproc),
                 env={"MSHPC_TEST_FAULTS": faults} if faults else None, timeout_s=600)
     return out
+
+
+def start_supervised(tmp_path: Path, cache: Path, name: str, *overrides: str) -> subprocess.Popen:
+    """`supervised`, started in the background; its output goes to tmp_path/`name`.log (a pipe
+    nobody reads while the test waits could fill and stall it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI", "OMPI_"))}
+    args = train_args(tmp_path, cache, *SUPERVISED, *overrides, name=name)
+    with open(tmp_path / f"{name}.log", "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "mshpc", *args, "--nproc", "2"], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, timeout_s: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)):
+        assert proc.poll() is None, f"the run ended (code {proc.returncode}) before its first step"
+        assert time.monotonic() < deadline, "no step logged"
+        time.sleep(0.05)
 
 
 def events(run_dir: Path) -> list[dict]:

@@ -2,14 +2,13 @@
 
 import os
 import shutil
-import subprocess
 
 import h5py
 import numpy as np
 import pytest
-
 from support.ckpt_runs import final_params, losses, run
 from support.cli_runner import mshpc, read_metrics
+from support.tmpfs import mounted_tmpfs
 
 
 def assert_same_final_model(a_root, b_root):
@@ -72,15 +71,8 @@ def test_flipped_byte_falls_back_and_names_tensor_and_file(straight, tmp_path, c
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 2 MiB tmpfs: room for one checkpoint of the test model (1.4 MiB), not two."""
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
-    if mounted.returncode != 0:
-        if os.environ.get("CI"):
-            pytest.fail(f"cannot mount a tmpfs in CI: {mounted.stderr.decode().strip()}")
-        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+    with mounted_tmpfs(tmp_path / "full", "2m") as mnt:
+        yield mnt
 
 
 def _full_disk_ends_the_run_at_its_last_save(tmp_path, cache, mnt, *overrides):
