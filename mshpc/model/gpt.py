@@ -111,21 +111,23 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
+        if self.ln_2 is not None:
+            h, x = self.attention_half(x, doc_mask, cache)
+            return x + self.mlp(h)
         h, _ = self.ln_1(x)  # (b, s, d)
-        if self.ln_2 is None:
-            kind = h.device.type
-            if torch.is_autocast_enabled(kind):  # one cast copy for both branches' GEMMs to save, not one each
-                h = h.to(torch.get_autocast_dtype(kind))
-            return x + self.attn(h, doc_mask, cache) + self.mlp(h)  # both branches read the same normed input
-        h, x = self.serial_attention(x, h, doc_mask, cache)
-        return x + self.mlp(h)
+        kind = h.device.type
+        if torch.is_autocast_enabled(kind):  # one cast copy for both branches' GEMMs to save, not one each
+            h = h.to(torch.get_autocast_dtype(kind))
+        return x + self.attn(h, doc_mask, cache) + self.mlp(h)  # both branches read the same normed input
 
-    def serial_attention(self, x: torch.Tensor, h: torch.Tensor, doc_mask: torch.Tensor | None = None,
-                         cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A serial block's first half, from x and h = ln_1(x): (ln_2 of the residual stream, the
-        stream x + attn(h)), the add and its norm in one pass. Expert parallelism's overlapped
-        block runs it per slice of the micro-batch (parallel/expert_dispatch.py)."""
+    def attention_half(self, x: torch.Tensor, doc_mask: torch.Tensor | None = None,
+                       cache: KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A serial block's first half: (ln_2 of the residual stream, the stream x + attn(ln_1(x))),
+        the add and its norm in one pass. Expert parallelism's overlapped block runs it per slice
+        of the micro-batch (parallel/expert_dispatch.py); train.compile compiles only it in a MoE
+        block (parallel/compile_blocks.py)."""
         assert self.ln_2 is not None
+        h, _ = self.ln_1(x)  # (b, s, d)
         return self.ln_2(self.attn(h, doc_mask, cache), residual=x)
 
 

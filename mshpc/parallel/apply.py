@@ -63,8 +63,9 @@ def parallelize(model: nn.Module, mesh: Mesh, *, model_cfg: ModelConfig, paralle
         moe.loss_scale = 1.0 / train.grad_accum  # the router's losses weigh as the model's per micro-batch
         moe.experts.resolve_impl(device.type)
     experts = apply_ep(model, mesh, parallel, train.micro_batch)
-    # tp's collectives, and a mixture of experts' host syncs (dispatch sizes), run between graphs
-    one_graph = mesh.shape.tp == 1 and model_cfg.moe is None
+    # tp's collectives run between graphs; a MoE block compiles only its attention half, which is
+    # one graph at tp = 1 (compile_blocks.compiled_region)
+    one_graph = mesh.shape.tp == 1
     if train.compile and not one_graph:
         # torch.compile runs a checkpoint whose body breaks the graph wholly eagerly (dynamo traces
         # a checkpoint as one region or not at all): here the checkpoint wraps the compiled block

@@ -1,7 +1,8 @@
 """`train.compile`: each transformer block compiled with torch.compile, torchtitan's per-block
 way: after tensor parallelism and activation checkpointing (so the graph holds the block as it
-will run, recomputation included; a block that is not one graph, under tp or holding a mixture
-of experts, is compiled before its checkpoint, which dynamo would otherwise run wholly eagerly)
+will run, recomputation included; a block that is not one graph, under tp, is compiled before
+its checkpoint, which dynamo would otherwise run wholly eagerly; a block holding a mixture of
+experts compiles only its attention half, `compiled_region`)
 and before ZeRO, whose hooks then wait for a block's weights
 outside its graph (`zero_build`: one forward pre-hook per compiled block, not per sub-module,
 since a hook inside the graph would be traced and its wait on a collective would break it).
@@ -22,6 +23,7 @@ from torch import nn
 
 from mshpc import graph_breaks
 from mshpc.kernels.dispatch import REFERENCE, Kernels
+from mshpc.model.moe import MoE
 
 log = logging.getLogger(__name__)
 
@@ -43,24 +45,39 @@ def compile_kernels(mode: str, device: torch.device, kernels: Kernels) -> Kernel
     return kernels
 
 
+def compiled_region(block: Any) -> tuple[str, list[nn.Module]]:  # Any: a Block, its parts swapped
+    """What train.compile compiles of `block`: the method's name and the modules it runs. A block
+    holding a mixture of experts (always a serial block) compiles only its attention half,
+    torchtitan's regional compilation of MoE blocks: the router, the dispatch and the fp32
+    experts would break a whole block's graph several times, each break costing guards and
+    splitting the backward, for little gain (docs/moe.md). Any other block compiles whole."""
+    if isinstance(getattr(block, "mlp", None), MoE):
+        return "attention_half", [block.ln_1, block.attn, block.ln_2]
+    return "forward", [block]
+
+
 def apply_compile(blocks: Iterable[nn.Module], mode: str, device: torch.device, fullgraph: bool) -> None:
-    """Compile each block's forward in place (parameter names unchanged, so checkpoints and
-    resharding see the same model). `fullgraph`: fail on any graph break (no tensor parallelism:
-    a block is one graph); under tp the collectives, timed and recorded by parallel/comm.py, run
-    eagerly between graphs. `mode` is model.fused_kernels (see compile_kernels)."""
+    """Compile each block's `compiled_region` in place (parameter names unchanged, so checkpoints
+    and resharding see the same model). `fullgraph`: fail on any graph break (no tensor
+    parallelism: a region is one graph); under tp the collectives, timed and recorded by
+    parallel/comm.py, run eagerly between graphs. `mode` is model.fused_kernels (see
+    compile_kernels): it picks the operators of the compiled region only."""
     graph_breaks.apply()  # the functions that run between graphs: marked now, not at import
     chosen = None
+    regions = set()
     for block in blocks:
-        for module in block.modules():
+        region, parts = compiled_region(block)
+        for module in (m for part in parts for m in part.modules()):
             kernels = getattr(module, "kernels", None)
             if isinstance(kernels, Kernels):
                 chosen = compile_kernels(mode, device, kernels)
                 setattr(module, "kernels", chosen)  # noqa: B010 - a plain attribute that nn.Module's typing calls Tensor | Module
-        block.forward = torch.compile(block.forward, fullgraph=fullgraph)
+        regions.add(region)
+        setattr(block, region, torch.compile(getattr(block, region), fullgraph=fullgraph))
     if chosen is not None:
-        log.info("train.compile: each block compiled (fullgraph=%s) with the %s operators "
-                 "(model.fused_kernels=%s on %s)", fullgraph, "fused" if chosen.fused else "reference",
-                 mode, device.type)
+        log.info("train.compile: each block's %s compiled (fullgraph=%s) with the %s operators "
+                 "(model.fused_kernels=%s on %s)", " or ".join(sorted(regions)), fullgraph,
+                 "fused" if chosen.fused else "reference", mode, device.type)
 
 
 def compile_seconds() -> float:

@@ -221,7 +221,7 @@ def overlapped_block(block: Any, slices: int) -> Callable[..., torch.Tensor]:  #
         masks = doc_mask.chunk(slices) if doc_mask is not None else [None] * slices
         started = []
         for xi, mask in zip(x.chunk(slices), masks, strict=True):
-            h, xi = block.serial_attention(xi, block.ln_1(xi)[0], mask)
+            h, xi = block.attention_half(xi, mask)
             started.append((xi, block.mlp.start(h)))
         for _, s in started:
             s.flight.compute()
