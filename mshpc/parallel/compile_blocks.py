@@ -73,7 +73,11 @@ def apply_compile(blocks: Iterable[nn.Module], mode: str, device: torch.device, 
                 chosen = compile_kernels(mode, device, kernels)
                 setattr(module, "kernels", chosen)  # noqa: B010 - a plain attribute that nn.Module's typing calls Tensor | Module
         regions.add(region)
-        setattr(block, region, torch.compile(getattr(block, region), fullgraph=fullgraph))
+        # an attention half sees a few static shapes (the micro-batch, its ep slices, validation's);
+        # with dynamic ones, under tp dynamo recompiles the chunked collectives' slices (tensor.py)
+        # with symbolic bounds, on which inductor (torch 2.13) fails: "Exponent must be non-negative"
+        dynamic = False if region == "attention_half" else None
+        setattr(block, region, torch.compile(getattr(block, region), fullgraph=fullgraph, dynamic=dynamic))
     if chosen is not None:
         log.info("train.compile: each block's %s compiled (fullgraph=%s) with the %s operators "
                  "(model.fused_kernels=%s on %s)", " or ".join(sorted(regions)), fullgraph,
