@@ -148,33 +148,63 @@ def test_a_periodic_save_failing_for_a_full_disk_is_skipped_and_training_goes_on
     assert_recovered_exactly(tmp_path / "s", reference)
 
 
+def _full_while(proc, run_dir, disk, until, log, more_s: float = 0.0) -> None:
+    """After the run's first step, keep `disk` full until `until()` and `more_s` after; then the
+    run must end well. A test that fails with the job still running ends it and its ranks."""
+    try:
+        wait_for_step(proc, run_dir)
+        filler = fill(disk)
+        deadline = time.monotonic() + 120
+        while not until():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(more_s)
+        filler.unlink()
+        assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def test_a_full_disk_under_the_run_files_holds_their_lines_and_training_goes_on(tmp_path, corpus_cache):
     # the run directory on a tmpfs of its own, made full after the first step until a rank says it
     # holds lines back (the run cannot end before: its last writes wait for space); checkpoints
-    # elsewhere (a save on a full disk: the test above). Steps enough that metrics.jsonl and the
-    # timings outgrow the tmpfs pages they have when it fills.
+    # elsewhere. Steps enough that metrics.jsonl and the timings outgrow the tmpfs pages they have
+    # when it fills.
     steps = 60
     with mounted_tmpfs(tmp_path / "disk", "4m") as disk:
         proc = start_supervised(tmp_path, corpus_cache, "f", *IN_PLACE, f"train.steps={steps}", f"run.out_dir={disk}",
                                 f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.interval_steps=20",
                                 "diagnose.flush_interval_s=0.1")
         log = tmp_path / "f.log"
-        try:
-            wait_for_step(proc, disk / "f")
-            filler = fill(disk)
-            deadline = time.monotonic() + 120
-            while "holding its lines in memory" not in log.read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.05)
-            time.sleep(0.5)  # more lines held while it is full
-            filler.unlink()
-            assert proc.wait(timeout=240) == 0, log.read_text()[-3000:]
-        finally:
-            if proc.poll() is None:  # the test failed with the job still running: end it and its ranks
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _full_while(proc, disk / "f", disk, lambda: "holding its lines in memory" in log.read_text(), log,
+                    more_s=0.5)  # more lines held while it is full
         assert [r["step"] for r in read_metrics(disk / "f")] == list(range(1, steps + 1))
         evs = read_events(disk / "f")
         assert "failure_detected" not in kinds(evs) and kinds(evs).count("attempt_start") == 1
         assert one(evs, "run_end")["exit_code"] == 0
         assert "written again after" in log.read_text()
+
+
+def test_a_periodic_save_on_a_disk_that_is_really_full_is_skipped_and_training_goes_on(tmp_path, corpus_cache):
+    # the checkpoints on a tmpfs of their own, made full after the first step until a save is
+    # skipped (or, the bug this looks for, a rank fails); the run directory elsewhere. The injected
+    # fault above fails the shard's write alone; here every file the save touches meets the full disk.
+    # The disk is freed at the first skipped save: the last step's save must succeed, and comes
+    # dozens of steps (seconds) later.
+    steps = 80
+    with mounted_tmpfs(tmp_path / "ckpt", "16m") as mnt:
+        proc = start_supervised(tmp_path, corpus_cache, "r", *IN_PLACE, f"train.steps={steps}",
+                                f"checkpoint.dir={mnt}", "checkpoint.interval_steps=4")
+        run_dir, log = tmp_path / "r", tmp_path / "r.log"
+        _full_while(proc, run_dir, mnt,
+                    lambda: bool({"checkpoint_failed", "failure_detected"} & set(kinds(read_events(run_dir)))), log)
+        evs = read_events(run_dir)
+        assert "failure_detected" not in kinds(evs), log.read_text()[-3000:]
+        failed = [e for e in evs if e["kind"] == "checkpoint_failed"]
+        assert failed and all("No space left on device" in e["reason"] for e in failed)
+        assert [r["step"] for r in read_metrics(run_dir)] == list(range(1, steps + 1))
+        assert os.readlink(mnt / "latest") == f"step-{steps:07d}"
+        verify = mshpc("ckpt", "verify", str(mnt / f"step-{steps:07d}"))
+        assert verify.returncode == 0, verify.stderr
