@@ -6,7 +6,7 @@ reruns from disk. Under recovery.in_place every rank's state is in memory and on
 disk full for a few seconds (another job's scratch, a log burst) would throw that away for a line
 of metrics: so the lines of metrics.jsonl, timings/, watch/ and events.jsonl that the disk
 refuses wait in this process's memory, in order, and are written when space returns. A disk still
-full after `recovery.full_disk_grace_s` fails as before. (Checkpoint saves: checkpoint/train_checkpointer.py
+full after `recovery.full_disk_grace_s` fails as before. (Checkpoint saves: checkpoint/train_checkpoint.py
 skips a periodic save a full disk fails, under the same switch.)
 
 The grace is process-wide, set once at start by the rank (train.py) and the supervisor: every
@@ -67,10 +67,6 @@ class FullSince:
         if self._since is not None:
             log.warning("%s: written again after %.1f s of full disk", self.what, time.monotonic() - self._since)
         self._since = None
-
-    @property
-    def full(self) -> bool:
-        return self._since is not None
 
 
 class HeldAppend:
