@@ -33,14 +33,13 @@ def read_assignment(line: str) -> dict[str, str]:
 def main(argv: list[str]) -> int:
     # the imports a rank's start-up would pay, paid now: the CLI, torch, the train loop
     import mshpc.train  # noqa: F401  (imported for its side effect: warm modules)
-    from mshpc.__main__ import exit_without_teardown
-    from mshpc.cli import main as cli_main
+    from mshpc.__main__ import run_cli
 
     line = sys.stdin.readline()
     if not line:
         return 0
     os.environ.update(read_assignment(line))
-    exit_without_teardown(cli_main(argv))
+    run_cli(argv)
 
 
 if __name__ == "__main__":

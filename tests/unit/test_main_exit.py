@@ -5,6 +5,8 @@ waited for, as a normal exit would, and a daemon thread still inside torch does 
 import subprocess
 import sys
 
+from mshpc.__main__ import exit_code
+
 PRELUDE = "import atexit, sys, threading, time\nfrom mshpc.__main__ import exit_without_teardown\n"
 
 
@@ -61,3 +63,29 @@ def test_the_cli_exits_with_its_code_through_it():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert out.stderr.startswith("mshpc: error:"), out.stderr
+
+
+def test_a_system_exit_from_the_cli_keeps_its_code_and_skips_the_teardown():
+    # a rank stopped on request ends with JobStopped, a SystemExit: the teardown cost its stop a
+    # second. A module-level object's __del__ runs in the teardown only; argparse's exit is real
+    keep = "class Torn:\n    def __del__(self):\n        print('torn down')\nkept = Torn()\n"
+    out = _run(keep + "from mshpc.__main__ import run_cli\nrun_cli(['no-such-command'])\n")
+    assert out.returncode == 2 and "invalid choice: 'no-such-command'" in out.stderr
+    assert "torn down" not in out.stdout
+    out = _run(keep + "from mshpc.__main__ import run_cli\nrun_cli(['--help'])\n")
+    assert out.returncode == 0 and out.stdout.startswith("usage:") and "torn down" not in out.stdout
+    assert "torn down" in _run(keep + "sys.exit(0)\n").stdout  # what the teardown would have done
+
+
+def test_the_exit_status_follows_pythons_rule():
+    assert [exit_code(SystemExit(c)) for c in (None, 0, 3, 143)] == [0, 0, 3, 143]
+    assert exit_code(SystemExit("a message")) == 1  # printed to stderr, as Python does
+
+
+def test_dalis_teardown_handler_is_skipped():
+    # its full gc.collect() (0.1-0.2 s a rank) only prepares an unloading that os._exit never does
+    watch = ("import gc, nvidia.dali.backend\ngc.disable()\n"
+             "gc.callbacks.append(lambda phase, info: phase == 'start' and print('collected', flush=True))\n")
+    out = _run(watch + "exit_without_teardown(0)\n")
+    assert out.returncode == 0 and out.stdout == "", out.stderr[-2000:]
+    assert _run(watch + "atexit._run_exitfuncs()\n").stdout == "collected\n"  # DALI's handler, run
