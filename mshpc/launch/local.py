@@ -152,11 +152,14 @@ class LocalRanks:
 
     # ---------------------------------------------------------------- recovery in place
 
-    def warm(self) -> None:
-        """Start a standby unless one is running: it imports while the ranks train. Called from
-        the thread that started the ranks (a child dies with the thread that started it)."""
+    def warm(self) -> bool:
+        """Start a standby unless one is running (whether it did): it imports while the ranks
+        train. Called from the thread that started the ranks (a child dies with the thread that
+        started it)."""
         if self.standby is None or self.standby.proc.poll() is not None:
             self.standby = self._follow(_start(self.argv, STANDBY, self.base_env, standby=True))
+            return True
+        return False
 
     def kill(self, rank: int) -> None:
         """SIGKILL `rank` (a frozen process too), and wait for its end: its sockets close, so

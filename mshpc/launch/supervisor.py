@@ -85,6 +85,7 @@ class Attempt:
     generation: int = 0  # recoveries in place within this attempt
     kind: str = "disk"  # how the ranks now training recovered: from disk (or a first start), or in place
     warm_pending: bool = False  # a generation started in place: once every rank trains, a standby
+    standby_due: bool = False  # a standby to start once rank 0 has trained its first step
     rejoined_at: float = 0.0  # monotonic, when the ranks were told to rejoin
 
 
@@ -210,8 +211,9 @@ class Supervisor:
         attempt = Attempt(number, list(self.pool.active), time.monotonic())
         self.event("attempt_start", attempt=number, hosts=attempt.hosts)
         ranks = self.start(number, attempt.hosts, env)
-        if self.recovery.in_place and self.recovery.standby and isinstance(ranks, Replaceable):
-            ranks.warm()  # it imports beside the ranks: ready for the first fault, however early
+        # not beside the ranks' start-up: its imports would slow theirs (a rerun's start-up is
+        # lost time); a fault in the first step is recovered in place by a cold start instead
+        attempt.standby_due = self.recovery.in_place and self.recovery.standby and isinstance(ranks, Replaceable)
         try:
             code, seen = self._watch(monitor, ranks, attempt, token)
             if seen is None:
@@ -346,13 +348,22 @@ class Supervisor:
 
     def _warm(self, states: dict[int, RankState], ranks: Ranks, attempt: Attempt) -> None:
         """Once every rank of a new generation trains, say so, and (its start-up is not to be
-        slowed) have the next standby start importing."""
+        slowed) have the next standby start importing; in an attempt's first generation, once
+        its first step is trained (the ranks' own imports and first step come first)."""
         if attempt.warm_pending and all(s.start_step is not None for s in states.values()):
             attempt.warm_pending = False
             self.event("generation_ready", attempt=attempt.number, generation=attempt.generation,
                        ready_s=time.monotonic() - attempt.rejoined_at)
             if self.recovery.standby and isinstance(ranks, Replaceable):
-                ranks.warm()
+                self._start_standby(ranks, attempt)
+        if attempt.standby_due and attempt.first_step_at is not None:
+            attempt.standby_due = False
+            assert isinstance(ranks, Replaceable)
+            self._start_standby(ranks, attempt)
+
+    def _start_standby(self, ranks: Replaceable, attempt: Attempt) -> None:
+        if ranks.warm():
+            self.event("standby_started", attempt=attempt.number, generation=attempt.generation)
 
     def _in_place(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt,
                   missing: list[Missing]) -> tuple[bool, Verdict | None]:
@@ -565,5 +576,5 @@ class _LocalAttempt:
     def replace(self, rank: int, env: dict[str, str]) -> bool:
         return bool(self.ranks.replace(rank, env))
 
-    def warm(self) -> None:
-        self.ranks.warm()
+    def warm(self) -> bool:
+        return bool(self.ranks.warm())

@@ -5,6 +5,7 @@ snapshots cannot help (a rank lost with its buddy, a corrupted snapshot), the re
 as before; a periodic save that finds the disk full is skipped. Each run ends bitwise where an
 undisturbed one does; a moment of full disk under the run's own files holds their lines back."""
 
+import json
 import os
 import random
 import signal
@@ -75,6 +76,13 @@ def test_sigstop_recovers_in_place_after_its_timeout(reference, tmp_path, corpus
     assert [m["rank"] for m in one(evs, "hang_report")["missing"]] == [1]
     assert [r["rank"] for r in one(evs, "recover_in_place")["replaced"]] == [1]
     assert "ranks_stopped" not in kinds(evs) and one(evs, "recovered")["recovery"] == "in_place"
+    # the standby imports once the first step is trained, not beside the ranks' own start-up; it
+    # took the stopped rank's place, and the next one started once the new generation trained
+    timings = (tmp_path / "h" / "timings" / "rank-00000.jsonl").read_text().splitlines()
+    first_step_at = next(r["time"] for r in map(json.loads, timings) if "rank" not in r)
+    standbys = [e for e in evs if e["kind"] == "standby_started"]
+    assert [e["generation"] for e in standbys] == [0, 1] and standbys[0]["time"] > first_step_at
+    assert one(evs, "recover_in_place")["replaced"][0]["standby"] is True
     assert_recovered_exactly(tmp_path / "h", reference)
 
 
