@@ -88,7 +88,14 @@ def print_error(exc: MshpcError) -> None:
     sys.stderr.flush()
 
 
+# A full file system or quota, by errno, with the words the one-line error uses: the one list
+# every part that treats a full disk apart (saves, the run's files under recovery.in_place) reads.
 _FULL = {errno.ENOSPC: "no space left on its file system", errno.EDQUOT: "the disk quota is used up"}
+
+
+def is_disk_full(exc: OSError) -> bool:
+    """Whether `exc` is a full file system or quota (ENOSPC, EDQUOT)."""
+    return exc.errno in _FULL
 
 
 def _size(n: float) -> str:

@@ -21,9 +21,10 @@ import os
 import time
 from collections.abc import Callable
 
+from mshpc.errors import is_disk_full
+
 log = logging.getLogger(__name__)
 
-FULL = (errno.ENOSPC, errno.EDQUOT)
 RETRY_S = 0.1  # a blocking writer's pause between tries while the disk is full
 
 _grace_s = 0.0  # 0: a full disk fails at once (the default, and without recovery.in_place)
@@ -39,10 +40,6 @@ def grace_s() -> float:
     return _grace_s
 
 
-def _is_full(exc: OSError) -> bool:
-    return exc.errno in FULL
-
-
 class FullSince:
     """When the disk, as one writer saw it, became full: a refusal inside the grace is held (and
     said once), one past it is raised."""
@@ -53,7 +50,7 @@ class FullSince:
 
     def refused(self, exc: OSError) -> None:
         """Return if the write may wait; raise `exc` otherwise (the caller's writing_to makes it one line)."""
-        if not _is_full(exc) or _grace_s <= 0:
+        if not is_disk_full(exc) or _grace_s <= 0:
             raise exc
         now = time.monotonic()
         if self._since is None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import errno
 import logging
 import mmap
 import shutil
@@ -29,14 +28,13 @@ import torch.distributed as dist
 from mshpc.checkpoint.h5_shard import ALIGN_BYTES, check_finite, write_shard
 from mshpc.checkpoint.manifest import Manifest, TensorEntry, grouped_by_name, write_manifest
 from mshpc.checkpoint.paths import latest_step, prune, publish, step_dir, tmp_dir
-from mshpc.errors import CheckpointError
+from mshpc.errors import CheckpointError, is_disk_full
 from mshpc.loss_check import StateDiverged
 from mshpc.parallel import comm
 from mshpc.tensor_slice import TensorSlice
 
 log = logging.getLogger(__name__)
 
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 class NoSpaceForSave(CheckpointError):
@@ -275,7 +273,7 @@ class CheckpointSaver:
         except CheckpointError as exc:
             error, diverged = str(exc), True
         except OSError as exc:
-            error, no_space = f"rank {self.rank}: writing {folder / _shard_name(self.rank)}: {exc}", exc.errno in _NO_SPACE
+            error, no_space = f"rank {self.rank}: writing {folder / _shard_name(self.rank)}: {exc}", is_disk_full(exc)
         return comm.gather_json({"error": error, "diverged": diverged, "no_space": no_space,
                                  "entries": [dataclasses.asdict(e) for e in entries]},
                                 dst=dist.get_global_rank(self.group, 0), group=self.group)
@@ -303,7 +301,7 @@ class CheckpointSaver:
         except OSError as exc:
             _unpublish(t.root, step)
             return {"error": f"committing checkpoint of step {step} in {t.root}: {exc}", "diverged": False,
-                    "no_space": exc.errno in _NO_SPACE, "free_bytes": _free_bytes(t.root)}
+                    "no_space": is_disk_full(exc), "free_bytes": _free_bytes(t.root)}
         deleted = prune(t.root, t.keep)
         log.info("checkpoint %s committed%s", final, f"; pruned steps {deleted}" if deleted else "")
         return None
