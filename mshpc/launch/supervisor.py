@@ -18,12 +18,13 @@ import logging
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from mshpc import full_disk
 from mshpc.config import ParallelConfig, RecoveryConfig, SupervisorConfig
@@ -67,6 +68,14 @@ class Ranks(Protocol):
     def stop(self, grace_s: float) -> list[int]: ...  # SIGTERM, then SIGKILL; ranks that needed it
 
 
+@runtime_checkable
+class WakesOnExit(Protocol):
+    """Ranks whose launcher sees each exit itself (the local one): it sets the supervisor's event
+    then, rather than the supervisor finding the exit at its next poll."""
+
+    def wake_on_exit(self, event: threading.Event) -> None: ...
+
+
 # start(attempt, hosts, env for every rank) -> the running ranks
 Starter = Callable[[int, list[str], dict[str, str]], Ranks]
 # hosts the scheduler reports unusable, with their state (Slurm's sinfo; nothing locally)
@@ -85,7 +94,7 @@ class Attempt:
     generation: int = 0  # recoveries in place within this attempt
     kind: str = "disk"  # how the ranks now training recovered: from disk (or a first start), or in place
     warm_pending: bool = False  # a generation started in place: once every rank trains, a standby
-    standby_due: bool = False  # a standby to start once rank 0 has trained its first step
+    standby_due: bool = False  # the attempt's first standby, to start once every rank trains
     rejoined_at: float = 0.0  # monotonic, when the ranks were told to rejoin
 
 
@@ -211,8 +220,10 @@ class Supervisor:
         attempt = Attempt(number, list(self.pool.active), time.monotonic())
         self.event("attempt_start", attempt=number, hosts=attempt.hosts)
         ranks = self.start(number, attempt.hosts, env)
+        if isinstance(ranks, WakesOnExit):  # a stop's or a finished run's end is seen at once
+            ranks.wake_on_exit(monitor.changed)
         # not beside the ranks' start-up: its imports would slow theirs (a rerun's start-up is
-        # lost time); a fault in the first step is recovered in place by a cold start instead
+        # lost time); a fault before every rank trains is recovered in place by a cold start
         attempt.standby_due = self.recovery.in_place and self.recovery.standby and isinstance(ranks, Replaceable)
         try:
             code, seen = self._watch(monitor, ranks, attempt, token)
@@ -347,18 +358,16 @@ class Supervisor:
     # ---------------------------------------------------------------- recovery in place
 
     def _warm(self, states: dict[int, RankState], ranks: Ranks, attempt: Attempt) -> None:
-        """Once every rank of a new generation trains, say so, and (its start-up is not to be
-        slowed) have the next standby start importing; in an attempt's first generation, once
-        its first step is trained (the ranks' own imports and first step come first)."""
-        if attempt.warm_pending and all(s.start_step is not None for s in states.values()):
-            attempt.warm_pending = False
+        """Once every rank of a new generation trains, say so; then, as in an attempt's first
+        generation, have the next standby start importing (not before: it would slow the ranks'
+        own start-up, which no step's time pays for)."""
+        if not (attempt.warm_pending or attempt.standby_due) or any(s.start_step is None for s in states.values()):
+            return
+        if attempt.warm_pending:
             self.event("generation_ready", attempt=attempt.number, generation=attempt.generation,
                        ready_s=time.monotonic() - attempt.rejoined_at)
-            if self.recovery.standby and isinstance(ranks, Replaceable):
-                self._start_standby(ranks, attempt)
-        if attempt.standby_due and attempt.first_step_at is not None:
-            attempt.standby_due = False
-            assert isinstance(ranks, Replaceable)
+        attempt.warm_pending = attempt.standby_due = False
+        if self.recovery.standby and isinstance(ranks, Replaceable):
             self._start_standby(ranks, attempt)
 
     def _start_standby(self, ranks: Replaceable, attempt: Attempt) -> None:
@@ -578,3 +587,6 @@ class _LocalAttempt:
 
     def warm(self) -> bool:
         return bool(self.ranks.warm())
+
+    def wake_on_exit(self, event: threading.Event) -> None:
+        self.ranks.wake = event
