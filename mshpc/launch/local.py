@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mshpc.launch.orphan_guard import die_with_parent
@@ -76,11 +76,11 @@ def _pump(rp: RankProcess) -> None:
         sys.stderr.flush()
 
 
-def _watch(rp: RankProcess, changed: threading.Event) -> None:
+def _watch(rp: RankProcess, exited: Callable[[], None]) -> None:
     rp.proc.wait()
     rp.exited_at = time.monotonic()
     rp.exited_wall = time.time()
-    changed.set()
+    exited()
 
 
 def _rank_env(rank: int, nproc: int, port: int, extra_env: dict[str, str]) -> dict[str, str]:
@@ -131,12 +131,14 @@ def _first_failure(ranks: list[RankProcess]) -> RankProcess | None:
 class LocalRanks:
     """`python -m mshpc ARGV` as N ranks on this machine, with their stderr prefixed and kept."""
 
-    def __init__(self, argv: Sequence[str], rank_env: Sequence[dict[str, str]]) -> None:
+    def __init__(self, argv: Sequence[str], rank_env: Sequence[dict[str, str]],
+                 wake: threading.Event | None = None) -> None:
         self.argv, self.nproc, self.port = list(argv), len(rank_env), free_port()
         # what every rank of the attempt shares (the supervisor's address and token...)
         self.base_env = {k: v for k, v in (rank_env[0] if rank_env else {}).items()
                          if all(env.get(k) == v for env in rank_env)}
         self.changed = threading.Event()
+        self.wake = wake  # also set on an exit: the supervisor's loop waits on it
         self._threads: list[threading.Thread] = []
         self.ranks = [self._follow(_start(argv, r, _rank_env(r, self.nproc, self.port, env)))
                       for r, env in enumerate(rank_env)]
@@ -144,11 +146,16 @@ class LocalRanks:
 
     def _follow(self, rp: RankProcess) -> RankProcess:
         """Pump its stderr and watch for its exit."""
-        for f, a in ((_pump, (rp,)), (_watch, (rp, self.changed))):
+        for f, a in ((_pump, (rp,)), (_watch, (rp, self._exited))):
             thread = threading.Thread(target=f, args=a, daemon=True)
             thread.start()
             self._threads.append(thread)
         return rp
+
+    def _exited(self) -> None:
+        self.changed.set()
+        if self.wake is not None:
+            self.wake.set()
 
     # ---------------------------------------------------------------- recovery in place
 

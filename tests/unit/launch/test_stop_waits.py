@@ -7,12 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from mshpc.launch.env import SupervisorLink
 from mshpc.launch.heartbeat import Heartbeat
-from mshpc.launch.local import stop_all
+from mshpc.launch.local import LocalRanks, stop_all
 from mshpc.launch.monitor import Monitor
 from mshpc.save_schedule import SaveSchedule
 
@@ -32,6 +33,18 @@ def test_a_stopped_process_ends_on_sigterm_without_waiting_for_the_kill():
     killed = stop_all([proc], grace_s=5.0)
     assert killed == [] and proc.returncode == -signal.SIGTERM
     assert time.monotonic() - began < 2.5  # the grace was 5 s: it was not waited out
+
+
+def test_a_local_ranks_exit_wakes_the_supervisors_loop_at_once():
+    # the supervisor waits on its monitor's event: a stopped or finished run's exits, which only
+    # the launcher sees, were found at its next poll (0.2 s) instead
+    wake = threading.Event()
+    ranks = LocalRanks(["--help"], [{}], wake=wake)
+    try:
+        assert wake.wait(60)
+        assert ranks.ranks[0].exited_at is not None and ranks.ranks[0].proc.returncode == 0
+    finally:
+        ranks.stop()
 
 
 def _say(conn: socket.socket, message: dict) -> None:
