@@ -31,9 +31,13 @@ def read_assignment(line: str) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    # the imports a rank's start-up would pay, paid now: the CLI, torch, the train loop
+    # the imports a rank's start-up would pay, paid now: the CLI, torch, the train loop, and
+    # DALI, which a loader (data.loader auto or dali) imports when it is built
     import mshpc.train  # noqa: F401  (imported for its side effect: warm modules)
     from mshpc.__main__ import run_cli
+    from mshpc.data.dali_source import preload_dali
+
+    preload_dali()
 
     line = sys.stdin.readline()
     if not line:

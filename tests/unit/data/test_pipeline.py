@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from mshpc.config import DataConfig, load_config
@@ -28,3 +31,12 @@ def test_the_per_node_reader_uses_the_torch_reader_and_refuses_dali() -> None:
     assert name == "node" and "per_node_reader=true" in why
     with pytest.raises(ConfigError, match="does not combine with data.loader='dali'"):
         load_config(None, ["data.per_node_reader=true", "data.loader=dali"])
+
+
+def test_a_standby_preloads_the_modules_a_dali_loader_imports() -> None:
+    # a fresh process: this one may have imported DALI in another test
+    code = ("import sys\nfrom mshpc.data.dali_source import dali_missing, preload_dali\n"
+            "print(preload_dali(), dali_missing() is None, 'nvidia.dali.plugin.pytorch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    loaded, installed, plugin = out.stdout.split()
+    assert loaded == installed and plugin == installed, out.stderr[-2000:]
