@@ -158,6 +158,16 @@ def detect(states: dict[int, RankState], cfg: SupervisorConfig, started_at: floa
     return _failure(states, time.time(), settle_s) or _hang(states, cfg, time.monotonic(), started_at)
 
 
+def settles_in(states: dict[int, RankState], settle_s: float = SETTLE_S) -> float | None:
+    """Seconds until the first failure is `settle_s` old and `detect` acts on it (0: now), or
+    None when no rank failed: the supervisor wakes then, not at its next poll, which cost every
+    crash up to a poll interval of its detection."""
+    found = first_failure(states)
+    if found is None:
+        return None
+    return max(0.0, found[1] + settle_s - time.time())
+
+
 def all_finished(states: dict[int, RankState]) -> bool:
     return all(s.exit_code == 0 or (s.outcome or {}).get("how") == "ok" for s in states.values())
 

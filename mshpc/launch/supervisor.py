@@ -30,7 +30,7 @@ from mshpc import full_disk
 from mshpc.config import ParallelConfig, RecoveryConfig, SupervisorConfig
 from mshpc.errors import USER_ERROR_EXIT
 from mshpc.events import append_event
-from mshpc.launch.detection import SETTLE_S, Detection, all_finished, detect, stop_request
+from mshpc.launch.detection import SETTLE_S, Detection, all_finished, detect, settles_in, stop_request
 from mshpc.launch.hang_report import REPORT_FILE, Missing, missing_ranks, where, write_hang_report
 from mshpc.launch.in_place import Generation, Replaceable, carry_out, plan
 from mshpc.launch.monitor import Monitor, RankState
@@ -239,10 +239,11 @@ class Supervisor:
                token: str) -> tuple[int, Seen | None]:
         done_at, passed = None, 0  # passed: the stop signals handled in this attempt
         began: float | None = None  # of the last pass
+        wait_s, settle_s = POLL_S, IN_PLACE_SETTLE_S if self.recovery.in_place else SETTLE_S
         while True:
             if began is not None:  # microseconds at a few ranks
                 time.sleep((time.monotonic() - began) * (1 / CHECK_SHARE - 1))
-            monitor.changed.wait(POLL_S)
+            monitor.changed.wait(wait_s)
             monitor.changed.clear()
             began = time.monotonic()
             ranks.update(monitor.ranks)
@@ -264,8 +265,11 @@ class Supervisor:
                     return code, None
                 continue
             self._warm(monitor.ranks, ranks, attempt)
-            det = detect(monitor.ranks, self.scfg, attempt.started_at,
-                         IN_PLACE_SETTLE_S if self.recovery.in_place else SETTLE_S)
+            det = detect(monitor.ranks, self.scfg, attempt.started_at, settle_s)
+            # a failure still settling is acted on once it has, not at the next poll (0: settled,
+            # an echo waiting for its cause, which ends with news or the poll)
+            pending = settles_in(monitor.ranks, settle_s) if det is None else None
+            wait_s = min(POLL_S, pending + 0.005) if pending else POLL_S
             if det is not None:
                 missing = self._detected(det, monitor, attempt, token)
                 recovered, verdict = self._in_place(det, monitor, ranks, attempt, missing)

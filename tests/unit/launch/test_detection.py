@@ -3,7 +3,7 @@
 import time
 
 from mshpc.config import load_config
-from mshpc.launch.detection import ECHO_WAIT_S, detect
+from mshpc.launch.detection import ECHO_WAIT_S, detect, settles_in
 from mshpc.launch.monitor import RankState
 
 CFG = load_config(None, []).supervisor
@@ -71,3 +71,16 @@ def test_a_peer_lost_error_waits_for_the_silent_end_it_echoes():
     det = detect(states, CFG, time.monotonic())
     assert det is not None and det.rank == 1 and det.kind == "crash" and det.exit_code == 137
     assert det.detail == "rank 1 was killed by SIGKILL"
+
+
+def test_a_failure_still_settling_says_when_it_is_acted_on():
+    # the supervisor wakes then rather than at its next poll (0.2 s), which every crash paid
+    states = {0: training(0), 1: training(1)}
+    assert settles_in(states, 0.5) is None
+    states[1] = failed(1, "RuntimeError", "boom", ago_s=0.1)
+    wait = settles_in(states, 0.5)
+    assert wait is not None and 0.3 < wait <= 0.4 and detect(states, CFG, time.monotonic(), 0.5) is None
+    states[1] = failed(1, "RuntimeError", "boom", ago_s=0.6)
+    assert settles_in(states, 0.5) == 0.0
+    det = detect(states, CFG, time.monotonic(), 0.5)
+    assert det is not None and det.rank == 1
