@@ -413,7 +413,8 @@ class RecoveryConfig:
     # lost rank (a cold start imports torch first: seconds); off: replacements start cold
     standby: bool = True
     # in place, a disk full where the run writes its own files (metrics, timings, events) holds their
-    # lines in memory this long before failing the run (mshpc/full_disk.py); off: it fails at once
+    # lines in memory this long before failing the run (mshpc/full_disk.py), and a save that must
+    # succeed (the last step's, a stop's) is tried again this long (train_checkpoint.py); off: at once
     full_disk_grace_s: float = at_least(0.0, default=60.0)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,9 @@ from mshpc.save_schedule import SaveSchedule
 
 log = logging.getLogger(__name__)
 
+# how often a save that must succeed is tried again while a full disk refuses it (recovery.in_place)
+SAVE_RETRY_S = 1.0
+
 
 def build_dp_group(p: ParallelConfig, world: dist.ProcessGroup) -> dist.ProcessGroup:
     """Collective over the world: a gloo group of this rank and its data-parallel peers (the
@@ -81,7 +85,9 @@ class TrainCheckpointer:
 
     With `recovery.in_place` a periodic save that fails for a full disk or quota is skipped, not
     fatal: every rank's state is also in its snapshots and its buddy's, and the next interval
-    tries again. The save at the last step and a stop's save must succeed."""
+    tries again. The save at the last step and a stop's save must succeed: under
+    `recovery.in_place` they wait for space up to `recovery.full_disk_grace_s`, as the run's own
+    files do (full_disk.py), since once the job ends its in-memory state is gone."""
 
     def __init__(self, root: Path, rank: int, engine: ZeroEngine, scheduler: torch.optim.lr_scheduler.LRScheduler,
                  *, run_dir: Path, config_hash: str, config_record: dict[str, Any], checkpoint: CheckpointConfig,
@@ -106,6 +112,7 @@ class TrainCheckpointer:
         self.schedule = SaveSchedule.of(checkpoint=checkpoint, train=train)
         # the state lives on in memory snapshots on a buddy too: a save that finds no room can wait
         self.skip_full_disk = recovery is not None and recovery.in_place
+        self.full_disk_grace_s = recovery.full_disk_hold_s if recovery is not None else 0.0
         self.saved_step: int | None = None  # the last save started and not found failed
         self._restored: dict[str, int] = {}  # what the last restore's stage read and received
         self._changes: list[str] = []  # the settings changed since the checkpoint being resumed
@@ -147,10 +154,39 @@ class TrainCheckpointer:
         try:
             return action()
         except NoSpaceForSave as exc:
-            if must_succeed or not self.skip_full_disk:
+            if not self.skip_full_disk:
                 raise CheckpointError(str(exc)) from None
+            if must_succeed:
+                return self._save_again(exc)
             self._note_failed(exc)
             return None
+
+    def _save_again(self, exc: NoSpaceForSave) -> float:
+        """A save that must succeed, refused by a full disk under recovery.in_place: tried again
+        every SAVE_RETRY_S up to recovery.full_disk_grace_s. The same number of tries on every
+        rank, each failing or succeeding on all alike (rank 0 broadcasts the outcome), so the ranks
+        stay in step; the one-line error after the last. Only the save last started is saved
+        again: nothing has updated the state since (it is the last step's, or a stop's)."""
+        tries = math.ceil(self.full_disk_grace_s / SAVE_RETRY_S)
+        if tries == 0 or exc.step != self.saved_step:
+            raise CheckpointError(str(exc)) from None
+        if self.rank == 0:
+            log.warning("%s; the save must succeed: trying again every %g s for up to %g s "
+                        "(recovery.full_disk_grace_s)", exc, SAVE_RETRY_S, self.full_disk_grace_s)
+        start = time.perf_counter()
+        for _ in range(tries):
+            time.sleep(SAVE_RETRY_S)
+            try:
+                self._start_save(exc.step)
+                self.saver.wait()  # settled here: the caller's next wait finds nothing in flight
+                if self.rank == 0:
+                    log.info("checkpoint of step %d saved after %.1f s of full disk", exc.step,
+                             time.perf_counter() - start)
+                return time.perf_counter() - start
+            except NoSpaceForSave as again:
+                exc = again
+        raise CheckpointError(f"{exc} (still full after {self.full_disk_grace_s:g} s of "
+                              "recovery.full_disk_grace_s)") from None
 
     def _note_failed(self, exc: NoSpaceForSave) -> None:
         """Every rank alike (the outcome came from rank 0): the save is forgotten; rank 0 writes
