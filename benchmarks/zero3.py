@@ -8,8 +8,8 @@ on a rate-limited veth link between network namespaces, then unlimited (mshpc.be
 bytes on the wire are the link's own counter (its interface's tx_bytes) over one step; without
 root or iproute2 the ranks run on loopback, whose counter every other process on the host shares.
 
-    .venv/bin/python benchmarks/zero3.py [--rate-mbit 1000] [--seq-len 256] [--micro-batch 1]
-        [--rounds 4] [--steps 2]
+    .venv/bin/python benchmarks/zero3.py [--rate-mbit 1000] [--seq-len 1024] [--micro-batch 1]
+        [--rounds 3] [--steps 1]
 """
 
 from __future__ import annotations
@@ -127,10 +127,12 @@ def lines(label: str, r: dict, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (gpt-125m's is 2048)")
+    # 1,024 tokens a rank a step (gpt-125m's own: 8 x 2,048): at 256 the lm head's wait for the
+    # embedding's gather is a floor of ~1.2x (docs/benchmarks/zero3_cpu2_2026-12-06.md)
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (gpt-125m's is 2048)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
-    harness.add_rounds(parser, 4)
-    parser.add_argument("--steps", type=int, default=2, help="steps per stage per round")
+    harness.add_rounds(parser, 3)  # a step takes 12-15 s at 1,024 tokens: 3 x 1 keeps a run near 10 min
+    parser.add_argument("--steps", type=int, default=1, help="steps per stage per round")
     add_link_options(parser)
     main_on_links(__file__, "z3", parser.parse_args(), worker, lines)
 
