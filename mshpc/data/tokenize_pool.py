@@ -146,6 +146,9 @@ class TokenizePool:
     def __enter__(self) -> TokenizePool:
         global _TASK
         if self.workers > 1:
+            # Whatever the tokenizer builds on its first batch (a BPE's fast engine) is built once,
+            # here, and the forked workers share it.
+            self.task.tokenizer.encode_batch([])
             _TASK = self.task
             self._pool = multiprocessing.get_context("fork").Pool(self.workers, initializer=_init_worker)
         return self
