@@ -38,7 +38,7 @@ from mshpc.interop.hf_tokenizer import bytes_to_unicode
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # Every pair of ASCII characters, each pair cut off from the next by a letter run: the two
 # splitting engines must agree on all of it before the fast engine is used.
-ASCII_PROBE = "".join(chr(a) + chr(b) + " ab" for a in range(128) for b in range(128))
+ASCII_PROBE_PIECES = [chr(a) + chr(b) + " ab" for a in range(128) for b in range(128)]
 
 
 class FastBPE:
@@ -109,8 +109,8 @@ def build(rust_tokenizer: Any) -> FastBPE | None:
     encoding = tiktoken.Encoding("mshpc-byte-level-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
                                  special_tokens={})
     fast = FastBPE(encoding, [a["content"] for a in config.get("added_tokens", ())])
-    probe = ASCII_PROBE
-    if fast.takes(probe) and fast.encode(probe) != rust_tokenizer.encode(probe, add_special_tokens=False).ids:
+    probe = "".join(piece for piece in ASCII_PROBE_PIECES if fast.takes(piece))  # an added token's text aside
+    if not fast.takes(probe) or fast.encode(probe) != rust_tokenizer.encode(probe, add_special_tokens=False).ids:
         return None
     return fast
 

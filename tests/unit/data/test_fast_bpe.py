@@ -102,3 +102,14 @@ def test_a_pipeline_other_than_gpt2s_keeps_the_tokenizers_engine(change: str) ->
     if change == "no_regex":
         config["pre_tokenizer"]["use_regex"] = True
         assert fast_bpe.build(tokenizers.Tokenizer.from_str(json.dumps(config))) is not None
+
+
+def test_a_splitting_pattern_that_reads_ascii_otherwise_keeps_the_tokenizers_engine(
+        bpe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rust = tokenizers.Tokenizer.from_file(str(bpe / "tokenizer.json"))
+    # GPT-2's pattern without its rule that leaves a space to the next word: the probe of ASCII
+    # pairs reads differently on the two engines.
+    pattern = fast_bpe.GPT2_PATTERN.replace(r"|\s+(?!\S)", "")
+    assert pattern != fast_bpe.GPT2_PATTERN
+    monkeypatch.setattr(fast_bpe, "GPT2_PATTERN", pattern)
+    assert fast_bpe.build(rust) is None
