@@ -36,6 +36,9 @@ def test_mshpc_tokenizer_train_gives_autotokenizer_ids(bpe_folder: Path) -> None
     assert ours.kind == "hf" and ours.eos_id == hf.eos_token_id == 0 and ours.vocab_size == len(hf) == 400
     for text in SAMPLES:
         assert ours.encode(text).tolist() == hf(text)["input_ids"]
+    # prepare's batches: the ASCII ones through the fast engine (data/fast_bpe.py), the others not
+    assert ours._fast is not None  # type: ignore[attr-defined]
+    assert [a.tolist() for a in ours.encode_batch(SAMPLES)] == [hf(t)["input_ids"] for t in SAMPLES]
     assert ours.decode(ours.encode(SAMPLES[2]).tolist()) == SAMPLES[2]
 
 
