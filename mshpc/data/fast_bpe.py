@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from mshpc.interop.hf_tokenizer import bytes_to_unicode
+from mshpc.data.byte_level import bytes_to_unicode
 
 # ByteLevel's pattern in `tokenizers` (pre_tokenizers/byte_level.rs), which GPT-2's encoder.py wrote.
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""

@@ -16,24 +16,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mshpc.data.byte_level import bytes_to_unicode
 from mshpc.data.tokenizer import ByteTokenizer, Tokenizer
 from mshpc.errors import InteropError
 
 BYTE_EOS = "<|endoftext|>"
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's table (Radford et al. 2019, encoder.py): printable bytes stand for themselves,
-    the others are moved to code points from 256 up, so every byte is a visible character."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def byte_tokenizer_json() -> dict[str, Any]:

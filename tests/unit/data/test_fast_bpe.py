@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from mshpc.data import fast_bpe
+from mshpc.data.byte_level import bytes_to_unicode
 from mshpc.data.tokenizer import build_tokenizer
 from mshpc.data.tokenizer_train import train_tokenizer
-from mshpc.interop.hf_tokenizer import byte_tokenizer_json, bytes_to_unicode
+from mshpc.interop.hf_tokenizer import byte_tokenizer_json
 
 pytest.importorskip("tiktoken")
 tokenizers = pytest.importorskip("tokenizers")
