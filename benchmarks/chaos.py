@@ -5,7 +5,7 @@ snapshots), side by side under the same faults.
 
 The faults (kinds and steps drawn from --seed, which is printed) are those an operator meets:
   kill     kill -9 of a rank                       (the supervisor restarts from a checkpoint)
-  stop     SIGSTOP of a rank                       (a hang: found by its timeout, restarted)
+  stop     SIGSTOP of a rank                       (a hang: found by its silence, restarted)
   sigterm  SIGTERM to the launcher, then a rerun   (a stop checkpoint, then a resume)
   flip     a flipped byte in the newest checkpoint, then kill -9 of a rank, so the restart reads it
   enospc   the run directory's file system full for a moment (a tmpfs: needs root), then a rerun
@@ -52,14 +52,16 @@ from mshpc.run_dir import read_metrics
 # configs/tiny.yaml's model (a step takes a good fraction of a second on 2 CPU ranks, so faults
 # land in the step they are drawn for); timings flushed often: they tell the driver the step
 SMALL = ["run.progress=none", "train.cpu_threads=1", "diagnose.flush_interval_s=0.2"]
-# Short heartbeats and a 10 s hang floor, as benchmarks/recovery.py, and a 30 s one for saves of
-# this small model (a SIGSTOP may land in one); enough restarts for every fault; no eviction:
-# these faults hit processes, not nodes (two blamed kills would evict a slot).
+# Short heartbeats, a rank silent for 4 of them frozen, and a 10 s hang floor, as
+# benchmarks/recovery.py, and a 30 s one for saves of this small model (a SIGSTOP may land in
+# one); enough restarts for every fault; no eviction: these faults hit processes, not nodes (two
+# blamed kills would evict a slot).
 SUPERVISED = ["checkpoint.interval_steps=10", "checkpoint.keep=3", "supervisor.heartbeat_interval_s=0.5",
-              "supervisor.timeout_floor_s=10", "supervisor.checkpoint_timeout_s=30", "supervisor.stop_grace_s=2",
-              "supervisor.max_restarts=20", "supervisor.evict_after=100"]
+              "supervisor.heartbeat_timeout_s=2", "supervisor.timeout_floor_s=10", "supervisor.checkpoint_timeout_s=30",
+              "supervisor.stop_grace_s=2", "supervisor.max_restarts=20", "supervisor.evict_after=100"]
 KINDS = ("kill", "stop", "sigterm", "flip", "enospc")
-PATHS = {"disk": [], "in_place": ["recovery.in_place=true"]}  # what each path adds to SUPERVISED
+# what each path adds to SUPERVISED; in place, a second standby for a fault soon after another
+PATHS = {"disk": [], "in_place": ["recovery.in_place=true", "recovery.standbys=2"]}
 POLL_S = 0.05
 FULL_DISK_S = 5.0  # how long the run directory stays full: long enough that a write falls in it
 WAIT_S = 300.0  # the most any one wait may take before the benchmark calls the run stuck

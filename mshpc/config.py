@@ -378,6 +378,11 @@ class SupervisorConfig:
     """The supervisor's knobs (mshpc/launch/supervisor.py): heartbeats, timeouts, restarts."""
 
     heartbeat_interval_s: float = at_least(0.01, default=1.0)  # each rank's side thread reports this often
+    # A rank whose beats stop this long while it lives (its connection open) is frozen: SIGSTOP, a
+    # wait in the kernel, a C call that never lets go of the GIL. A hang, whatever its phase's
+    # timeout; set-up and the long phases keep only theirs (a resume or save in h5py holds the
+    # GIL). NVRx's in-process restart has the same rule (heartbeat_timeout). 0: off
+    heartbeat_timeout_s: float = at_least(0.0, default=30.0)
     # A phase (data, step, checkpoint) hangs when it lasts longer than
     # max(floor, timeout_k x its median duration so far); before 3 samples, the floor alone.
     timeout_k: float = at_least(1.0, default=10.0)
@@ -409,9 +414,10 @@ class RecoveryConfig:
     spike_factor: float = at_least(1.0, default=10.0)  # a spike: past this many times the running median
     spike_window_steps: int = at_least(3, default=20)  # the running median's window
     persistent_after: int = at_least(1, default=2)  # replays a rank differs in before its node is evicted
-    # the local launcher keeps one process per job with torch imported, waiting to replace a
-    # lost rank (a cold start imports torch first: seconds); off: replacements start cold
-    standby: bool = True
+    # the local launcher keeps this many processes per job with torch imported, each waiting to
+    # replace a lost rank (a cold start imports torch first: seconds); a used one is replaced once
+    # the ranks train again, so a second fault soon after the first finds the second; 0: cold starts
+    standbys: int = at_least(0, default=1)
     # in place, a disk full where the run writes its own files (metrics, timings, events) holds their
     # lines in memory this long before failing the run (mshpc/full_disk.py), and a save that must
     # succeed (the last step's, a stop's) is tried again this long (train_checkpoint.py); off: at once
@@ -950,6 +956,14 @@ def _check_loggers(r: RunConfig) -> None:
         raise ConfigError(f"run.loggers={list(r.loggers)} names a logger twice (name each once)")
 
 
+def _check_supervisor(s: SupervisorConfig) -> None:
+    # a rank beats every interval and its node's relay passes the beats on once an interval: two
+    # intervals of silence are ordinary
+    if 0 < s.heartbeat_timeout_s < 3 * s.heartbeat_interval_s:
+        raise ConfigError(f"supervisor.heartbeat_timeout_s={s.heartbeat_timeout_s:g} must be at least 3 x "
+                          f"supervisor.heartbeat_interval_s={s.heartbeat_interval_s:g} (or 0: off)")
+
+
 def validate(cfg: Config) -> Config:
     """Check every value and combination; return the config unchanged."""
     _check_numbers(cfg, "")  # first: a NaN would pass every check after it
@@ -972,6 +986,7 @@ def validate(cfg: Config) -> Config:
     _check_diagnose(cfg.diagnose)
     _check_run(cfg.run)
     _check_loggers(cfg.run)
+    _check_supervisor(cfg.supervisor)
     if cfg.recovery.replay and cfg.recovery.snapshot_interval_steps != 1:
         raise ConfigError(f"recovery.replay=true replays a step from the snapshot taken just before it: it needs "
                           f"recovery.snapshot_interval_steps=1 (got {cfg.recovery.snapshot_interval_steps})")

@@ -176,8 +176,8 @@ class SimNodes:
             self.loop.call_soon_threadsafe(revive, self.nodes, rank, env["MSHPC_NODE"], self.done)
         return True
 
-    def warm(self) -> bool:
-        return False  # the simulated nodes need no standby
+    def warm(self, count: int) -> list[int]:
+        return []  # the simulated nodes need no standby
 
 
 def _nodes_main(spec_json: str) -> None:

@@ -7,7 +7,9 @@ the others usually only echo it (their peer went away mid-collective). A rank wh
 so many words that it echoes another's ("... failed on 1 other rank(s)", from a step that raises
 on every rank when one fails; "Connection reset by peer", its transport's) is never the one named while the rank it echoes can still speak,
 whichever exited first. A hang is a rank whose current phase has lasted longer than that phase's
-timeout (mshpc/launch/timeouts.py).
+timeout (mshpc/launch/timeouts.py), or a rank frozen: its heartbeats stopped for
+`supervisor.heartbeat_timeout_s` while it lives, outside set-up and the long phases (a
+SIGSTOPped rank's peers wait in a collective for the phase timeout; its own silence says it sooner).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mshpc.config import SupervisorConfig
 from mshpc.errors import USER_ERROR_EXIT
 from mshpc.launch.monitor import RankState
 from mshpc.launch.timeouts import phase_timeout
+from mshpc.phases import LONG, SETUP
 
 Kind = Literal["crash", "hang", "loss", "user_error"]
 SETTLE_S = 0.5  # after a first failure, what else ended this soon after is taken in before deciding
@@ -123,10 +126,12 @@ def _slowest_medians(states: dict[int, RankState]) -> dict[str, float]:
 
 
 def _hang(states: dict[int, RankState], cfg: SupervisorConfig, now: float, started_at: float) -> Detection | None:
-    """The rank furthest past its phase's timeout. Within a phase every rank has the same timeout,
-    so only each phase's earliest entered rank can be it: one tight pass over the ranks (this runs
-    every poll, at 12,288 ranks too), then one timeout per phase."""
+    """A frozen rank (the one silent longest, past `supervisor.heartbeat_timeout_s`), else the rank
+    furthest past its phase's timeout. Within a phase every rank has the same timeout, so only each
+    phase's earliest entered rank can be it: one tight pass over the ranks (this runs every poll,
+    at 12,288 ranks too), then one timeout per phase."""
     earliest: dict[str, tuple[float, RankState]] = {}  # phase -> (entered at, the rank), supervisor's clock
+    quietest: tuple[float, RankState] | None = None  # (last beat, rank): silent longest where silence is a hang
     for s in states.values():
         if s.outcome is not None or s.closed_at is not None or s.exited_at is not None or s.lost is not None:
             continue  # ended (RankState.ended), or waiting for the supervisor's word (lost)
@@ -134,6 +139,11 @@ def _hang(states: dict[int, RankState], cfg: SupervisorConfig, now: float, start
         first = earliest.get(s.phase)
         if first is None or at < first[0]:
             earliest[s.phase] = (at, s)
+        if (s.last_beat_at is not None and s.phase != SETUP and s.phase not in LONG
+                and (quietest is None or s.last_beat_at < quietest[0])):
+            quietest = (s.last_beat_at, s)
+    if quietest is not None and 0 < cfg.heartbeat_timeout_s < now - quietest[0]:
+        return _frozen(quietest[1], now - quietest[0], cfg)
     # a phase's timeout is at least its floor (no medians): past it, the medians are read at all
     past_floor = {p: first for p, first in earliest.items() if now - first[0] > phase_timeout(cfg, p, []).seconds}
     worst = None
@@ -149,6 +159,14 @@ def _hang(states: dict[int, RankState], cfg: SupervisorConfig, now: float, start
     detail = (f"no progress for {stuck:.1f} s in phase {s.phase} of step {s.step + 1} on rank {s.rank} "
               f"(timeout {timeout.seconds:.1f} s: {timeout.why})")
     return Detection("hang", s.rank, detail, 1, stuck, s.phase, s.step, timeout.seconds, timeout.why)
+
+
+def _frozen(s: RankState, silent: float, cfg: SupervisorConfig) -> Detection:
+    """Rank `s`, silent `silent` seconds (past `supervisor.heartbeat_timeout_s`), as a hang."""
+    why = f"supervisor.heartbeat_timeout_s={cfg.heartbeat_timeout_s:g}"
+    detail = (f"rank {s.rank} frozen: no heartbeat for {silent:.1f} s in phase {s.phase} of step {s.step + 1} "
+              f"while its connection stays open ({why})")
+    return Detection("hang", s.rank, detail, 1, silent, s.phase, s.step, cfg.heartbeat_timeout_s, why)
 
 
 def detect(states: dict[int, RankState], cfg: SupervisorConfig, started_at: float,

@@ -3,7 +3,8 @@ to the supervisor over a TCP socket the supervisor owns, never through a collect
 
 The train loop only calls `phase(name, step)`: a tuple assignment and a deque append, and once,
 when the loop leaves its setup, one message with the step it resumed from (the supervisor's story
-must not wait for a beat to carry it). The thread does the rest every `heartbeat_interval_s`:
+must not wait for a beat to carry it); leaving set-up or a long phase (a save, validation, the
+compiled first step), a beat at once (a rank frozen just after must not look still in it). The thread does the rest every `heartbeat_interval_s`:
 per-phase median durations (the supervisor's timeouts are calibrated from them), the flight
 recorder's per-group counts and last record, and on request a dump of every thread's Python
 stack (faulthandler) and the whole flight recorder. Messages are JSON lines; nothing received is
@@ -42,7 +43,7 @@ from mshpc.launch.requeue import STOP_REQUEST_SIGNAL
 from mshpc.loss_check import LossDiverged
 from mshpc.mesh_shape import MeshShape
 from mshpc.parallel.comm import RECORDER
-from mshpc.phases import CHECKPOINT, COMPILE, DATA, EVAL, SETUP, STEP
+from mshpc.phases import CHECKPOINT, COMPILE, DATA, EVAL, LONG, SETUP, STEP
 from mshpc.save_schedule import SaveSchedule
 from mshpc.socket_peer import is_same_user, peer_uid
 
@@ -105,6 +106,10 @@ class Heartbeat:
             self._send({"type": "started", "start_step": step})
         self._durations[previous].append(now - since)
         self._current = (name, step, now)
+        if (previous == SETUP or previous in LONG) and name != SETUP and name not in LONG:
+            # told now, not at the next beat: the supervisor leaves a rank silent in set-up or a long
+            # phase to that phase's timeout, and a rank frozen right after a save must not look in it
+            self._send(self._beat())
 
     # ---------------------------------------------------------------- recovery in place
 

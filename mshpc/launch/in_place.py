@@ -113,7 +113,7 @@ class Replaceable(Protocol):
 
     def kill(self, rank: int) -> None: ...
     def replace(self, rank: int, env: dict[str, str]) -> bool: ...  # True: a warm standby took it
-    def warm(self) -> bool: ...  # a standby ready for the next one (True: one was started)
+    def warm(self, count: int) -> list[int]: ...  # `count` standbys ready for the next ones (the PIDs started)
 
 
 def carry_out(p: Plan, gen: Generation, monitor: Monitor, ranks: Replaceable, nodes: Sequence[str]) -> list[bool]:

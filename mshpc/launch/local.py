@@ -3,7 +3,7 @@
 Ranks get torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so the
 same training entry point serves torchrun, srun, mpiexec and this launcher. For a recovery in
 place it replaces one rank by a warm standby (mshpc/launch/standby.py) or, without one, a cold
-start; the local slots share one host, so one standby serves them all.
+start; the local slots share one host, so its standbys (`recovery.standbys`) serve them all.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class LocalRanks:
         self._threads: list[threading.Thread] = []
         self.ranks = [self._follow(_start(argv, r, _rank_env(r, self.nproc, self.port, env)))
                       for r, env in enumerate(rank_env)]
-        self.standby: RankProcess | None = None
+        self.standbys: list[RankProcess] = []  # the oldest first: the likeliest to have imported
 
     def _follow(self, rp: RankProcess) -> RankProcess:
         """Pump its stderr and watch for its exit."""
@@ -159,14 +159,15 @@ class LocalRanks:
 
     # ---------------------------------------------------------------- recovery in place
 
-    def warm(self) -> bool:
-        """Start a standby unless one is running (whether it did): it imports while the ranks
-        train. Called from the thread that started the ranks (a child dies with the thread that
-        started it)."""
-        if self.standby is None or self.standby.proc.poll() is not None:
-            self.standby = self._follow(_start(self.argv, STANDBY, self.base_env, standby=True))
-            return True
-        return False
+    def warm(self, count: int = 1) -> list[int]:
+        """Start standbys until `count` are running (the PIDs of those it started): they import
+        while the ranks train. Called from the thread that started the ranks (a child dies with the
+        thread that started it)."""
+        self.standbys = [s for s in self.standbys if s.proc.poll() is None]
+        started = [self._follow(_start(self.argv, STANDBY, self.base_env, standby=True))
+                   for _ in range(count - len(self.standbys))]
+        self.standbys += started
+        return [s.proc.pid for s in started]
 
     def kill(self, rank: int) -> None:
         """SIGKILL `rank` (a frozen process too), and wait for its end: its sockets close, so
@@ -177,10 +178,10 @@ class LocalRanks:
         proc.wait()
 
     def replace(self, rank: int, env: dict[str, str]) -> bool:
-        """Run `rank` anew with `env` on top of the attempt's: the standby takes it if one is
-        warm (True), else a cold start does (False)."""
+        """Run `rank` anew with `env` on top of the attempt's: the oldest standby takes it if one
+        is warm (True), else a cold start does (False)."""
         full = {**self.base_env, **_rank_env(rank, self.nproc, self.port, env)}
-        standby, self.standby = self.standby, None
+        standby = self.standbys.pop(0) if self.standbys else None
         if standby is not None and standby.proc.poll() is None and standby.proc.stdin is not None:
             try:
                 standby.proc.stdin.write((json.dumps({"env": full}) + "\n").encode())
@@ -209,10 +210,11 @@ class LocalRanks:
                 r.proc.send_signal(signum)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> list[int]:
-        """Stop every rank (see `stop_all`) and the standby; returns the ranks that needed SIGKILL."""
-        if self.standby is not None and self.standby.proc.poll() is None:
-            self.standby.proc.kill()  # it holds nothing: no grace
-            self.standby.proc.wait()
+        """Stop every rank (see `stop_all`) and the standbys; returns the ranks that needed SIGKILL."""
+        for standby in self.standbys:
+            if standby.proc.poll() is None:
+                standby.proc.kill()  # it holds nothing: no grace
+                standby.proc.wait()
         killed = stop_all([r.proc for r in self.ranks], grace_s)
         for t in self._threads:
             t.join(timeout=STOP_GRACE_S)

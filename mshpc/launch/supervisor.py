@@ -224,7 +224,7 @@ class Supervisor:
             ranks.wake_on_exit(monitor.changed)
         # not beside the ranks' start-up: its imports would slow theirs (a rerun's start-up is
         # lost time); a fault before every rank trains is recovered in place by a cold start
-        attempt.standby_due = self.recovery.in_place and self.recovery.standby and isinstance(ranks, Replaceable)
+        attempt.standby_due = self.recovery.in_place and self.recovery.standbys > 0 and isinstance(ranks, Replaceable)
         try:
             code, seen = self._watch(monitor, ranks, attempt, token)
             if seen is None:
@@ -371,12 +371,13 @@ class Supervisor:
             self.event("generation_ready", attempt=attempt.number, generation=attempt.generation,
                        ready_s=time.monotonic() - attempt.rejoined_at)
         attempt.warm_pending = attempt.standby_due = False
-        if self.recovery.standby and isinstance(ranks, Replaceable):
+        if self.recovery.standbys > 0 and isinstance(ranks, Replaceable):
             self._start_standby(ranks, attempt)
 
     def _start_standby(self, ranks: Replaceable, attempt: Attempt) -> None:
-        if ranks.warm():
-            self.event("standby_started", attempt=attempt.number, generation=attempt.generation)
+        started = ranks.warm(self.recovery.standbys)
+        if started:
+            self.event("standby_started", attempt=attempt.number, generation=attempt.generation, pids=started)
 
     def _in_place(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt,
                   missing: list[Missing]) -> tuple[bool, Verdict | None]:
@@ -437,6 +438,8 @@ class Supervisor:
         ranks, hang-report.txt."""
         states = monitor.ranks
         silent_after = max(3 * self.scfg.heartbeat_interval_s, 2.0)
+        if self.scfg.heartbeat_timeout_s > 0:  # a rank detected frozen is silent past this: missing
+            silent_after = min(silent_after, self.scfg.heartbeat_timeout_s)
         began = time.monotonic()
         monitor.request_dumps(min(DUMP_WAIT_S, self.scfg.stop_grace_s + 1), silent_after)
         asked = time.monotonic()
@@ -589,8 +592,8 @@ class _LocalAttempt:
     def replace(self, rank: int, env: dict[str, str]) -> bool:
         return bool(self.ranks.replace(rank, env))
 
-    def warm(self) -> bool:
-        return bool(self.ranks.warm())
+    def warm(self, count: int) -> list[int]:
+        return list(self.ranks.warm(count))
 
     def wake_on_exit(self, event: threading.Event) -> None:
         self.ranks.wake = event

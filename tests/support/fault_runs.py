@@ -12,10 +12,11 @@ from support.cli_runner import REPO, mshpc, read_metrics, train_args
 
 STEPS = 8
 HEARTBEAT_S = 0.2
-CRASH_TIMEOUT_S = 60.0  # no phase of these runs times out: only the hang test uses a short one
+CRASH_TIMEOUT_S = 60.0  # no phase of these runs times out, no rank freezes: only the hang tests use a short one
 # checkpoints every 2 steps, so every fault has one to fall back to; short heartbeats and grace
 SUPERVISED = [f"train.steps={STEPS}", "checkpoint.interval_steps=2", "checkpoint.keep=4",
               f"supervisor.heartbeat_interval_s={HEARTBEAT_S}", f"supervisor.timeout_floor_s={CRASH_TIMEOUT_S}",
+              f"supervisor.heartbeat_timeout_s={CRASH_TIMEOUT_S}",
               "supervisor.stop_grace_s=2", "supervisor.setup_timeout_s=240", "supervisor.max_restarts=2"]
 
 

@@ -1,11 +1,12 @@
 """The supervisor's parts on their own: timeouts, detection, blame and eviction, the hang
 report's lag analysis, fault specs, and a heartbeat talking to a monitor over a real socket."""
 
+import dataclasses
 import time
 
 import pytest
 
-from mshpc.config import SupervisorConfig
+from mshpc.config import SupervisorConfig, load_config
 from mshpc.errors import ConfigError
 from mshpc.faults import bind, parse_faults
 from mshpc.launch.detection import detect
@@ -54,6 +55,31 @@ def test_a_phase_past_its_timeout_is_a_hang():
     assert (det.kind, det.rank, det.timeout_s) == ("hang", 0, 10)
     s[0].phase_s = 9.0
     assert detect(s, CFG, time.monotonic()) is None
+
+
+def test_a_rank_silent_past_the_heartbeat_timeout_is_frozen_before_any_phase_timeout():
+    cfg = SupervisorConfig(timeout_floor_s=10, heartbeat_interval_s=0.5, heartbeat_timeout_s=2)
+    now = time.monotonic()
+    s = states(r0={"last_beat_at": now - 0.3, "phase": "step", "step": 4, "phase_s": 2.4},
+               r1={"last_beat_at": now - 2.5, "phase": "step", "step": 4, "phase_s": 0.1})
+    det = detect(s, cfg, now)
+    assert (det.kind, det.rank, det.timeout_s, det.step) == ("hang", 1, 2, 4)
+    assert det.detail.startswith("rank 1 frozen: no heartbeat for 2.") and det.time_to_detect_s > 2
+    assert detect(s, dataclasses.replace(cfg, heartbeat_timeout_s=0), now) is None  # off: the floor alone
+    s[1].last_beat_at = now - 1.9
+    assert detect(s, cfg, now) is None
+    # silence in set-up or a long phase is left to that phase's timeout: a resume or a save in
+    # h5py holds the GIL, and the beats with it
+    for phase in ("setup", "checkpoint", "eval", "compile"):
+        s[1].last_beat_at, s[1].phase = now - 9.0, phase
+        assert detect(s, cfg, now) is None, phase
+
+
+def test_a_heartbeat_timeout_shorter_than_three_beats_is_refused():
+    with pytest.raises(ConfigError, match=r"^supervisor.heartbeat_timeout_s=1 must be at least 3 x "
+                                          r"supervisor.heartbeat_interval_s=0.5 \(or 0: off\)$"):
+        load_config(None, ["supervisor.heartbeat_interval_s=0.5", "supervisor.heartbeat_timeout_s=1"])
+    assert load_config(None, ["supervisor.heartbeat_interval_s=0.5", "supervisor.heartbeat_timeout_s=0"])
 
 
 def test_lagging_ranks_are_those_missing_from_a_groups_latest_collective():
@@ -105,6 +131,32 @@ def test_heartbeats_reach_the_monitor_and_a_dump_returns_stacks():
         while monitor.ranks[0].outcome is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert monitor.ranks[0].outcome["how"] == "ok"
+    finally:
+        monitor.close()
+
+
+def test_leaving_a_long_phase_is_told_at_once_not_at_the_next_beat():
+    monitor = Monitor(1, "tok")
+    link = SupervisorLink("127.0.0.1", monitor.port, "tok", 0)
+
+    def seen(phase: str, step: int) -> bool:
+        deadline = time.monotonic() + 10
+        while (monitor.ranks[0].phase, monitor.ranks[0].step) != (phase, step) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return (monitor.ranks[0].phase, monitor.ranks[0].step) == (phase, step)
+
+    try:  # one beat as the thread starts, the next in 600 s: what comes sooner, phase() sent
+        with Heartbeat(link, {"rank": 0, "host": "h", "coords": "(dp=0, tp=0, pp=0)"}, 600.0,
+                       SaveSchedule(interval_steps=1, last_step=9)) as beat:
+            assert seen("setup", -1)  # the first beat
+            beat.phase("step", 0)
+            assert seen("step", 0)  # set-up left
+            beat.phase("checkpoint", 0)
+            beat.phase("data", 1)
+            assert seen("data", 1)  # the save left
+            beat.phase("step", 1)
+            time.sleep(0.2)
+            assert (monitor.ranks[0].phase, monitor.ranks[0].step) == ("data", 1)  # a plain change waits for its beat
     finally:
         monitor.close()
 

@@ -53,7 +53,8 @@ class StuckRank:
 
 def run_signalled(tmp_path, training: bool, signal_at_s: list[float]) -> tuple[Supervisor, list[StuckRank], list[dict]]:
     """Run a supervisor whose rank is stuck, sending it SIGTERM (as its handler would) at those times."""
-    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=stop", "supervisor.heartbeat_interval_s=600"])
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=stop", "supervisor.heartbeat_interval_s=600",
+                             "supervisor.heartbeat_timeout_s=0"])
     ranks: list[StuckRank] = []
 
     def start(attempt: int, hosts: list[str], env: dict[str, str]) -> StuckRank:

@@ -65,7 +65,8 @@ def start(attempt: int, hosts: list[str], env: dict[str, str]) -> ThreadRank:
 
 
 def test_resumed_comes_before_recovered_whatever_the_beat_interval(tmp_path):
-    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=story", f"supervisor.heartbeat_interval_s={BEAT_S}"])
+    cfg = load_config(None, [f"run.out_dir={tmp_path}", "run.name=story", f"supervisor.heartbeat_interval_s={BEAT_S}",
+                             "supervisor.heartbeat_timeout_s=0"])
     supervisor = Supervisor(1, NodePool(["h"], 1, cfg.supervisor.evict_after), start, "127.0.0.1", supervisor=cfg.supervisor, spare_nodes=cfg.train.spare_nodes,
                             run_dir=run_path(cfg.run), checkpoints=run_path(cfg.run) / "checkpoints")
     assert supervisor.run() == 0
