@@ -4,16 +4,17 @@ to the supervisor over a TCP socket the supervisor owns, never through a collect
 The train loop only calls `phase(name, step)`: a tuple assignment and a deque append, and once,
 when the loop leaves its setup, one message with the step it resumed from (the supervisor's story
 must not wait for a beat to carry it); leaving set-up or a long phase (a save, validation, the
-compiled first step), a beat at once (a rank frozen just after must not look still in it). The thread does the rest every `heartbeat_interval_s`:
-per-phase median durations (the supervisor's timeouts are calibrated from them), the flight
-recorder's per-group counts and last record, and on request a dump of every thread's Python
-stack (faulthandler) and the whole flight recorder. Messages are JSON lines; nothing received is
-executed. The connection goes to the node's relay (mshpc/launch/node_relay.py) over a Unix socket
-when there is one (the node's lowest local rank starts it), which batches the node's beats into
-one connection to the supervisor; a rank that cannot reach its relay within `RELAY_WAIT_S`
-connects to the supervisor itself. When the supervisor's end of the connection closes while the rank trains (the
-supervisor was killed, or its node lost), nobody will stop or restart the rank: it stops itself,
-after a checkpoint at the next step boundary if that comes within the stop grace, else at once.
+compiled first step), a beat at once (a rank frozen just after must not look still in it). The
+thread does the rest every `heartbeat_interval_s`: per-phase median durations (the supervisor's
+timeouts are calibrated from them), the flight recorder's per-group counts and last record, and
+on request a dump of every thread's Python stack (faulthandler) and the whole flight recorder.
+Messages are JSON lines; nothing received is executed. The connection goes to the node's relay
+(mshpc/launch/node_relay.py) over a Unix socket when there is one (the node's lowest local rank
+starts it), which batches the node's beats into one connection to the supervisor; a rank that
+cannot reach its relay within `RELAY_WAIT_S` connects to the supervisor itself. When the
+supervisor's end of the connection closes while the rank trains (the supervisor was killed, or
+its node lost), nobody will stop or restart the rank: it stops itself, after a checkpoint at the
+next step boundary if that comes within the stop grace, else at once.
 """
 
 from __future__ import annotations
