@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -158,8 +159,29 @@ def write_shard(path: Path, items: dict[str, TensorSlice]) -> list[TensorEntry]:
     own = open_regular(path, os.O_RDWR | os.O_CREAT, 0o644, own=True)
     try:
         return _write_shard(path, fd_path(own), items, arrays)
+    except RuntimeError as exc:
+        as_os = _os_error(exc)
+        if as_os is None:
+            raise
+        raise as_os from exc
     finally:
         os.close(own)
+
+
+_HDF5_ERRNO = re.compile(r"\berrno = (\d+)\b")
+
+
+def _os_error(exc: RuntimeError) -> OSError | None:
+    """HDF5's failed write as the OSError it is: a write failing while HDF5 flushes its metadata
+    (closing the file) comes out of h5py as a RuntimeError that carries the errno only in its text
+    ("... file write failed: ..., errno = 28, error message = 'No space left on device'"), and a
+    full disk must read as one wherever it strikes (the saver skips a periodic save for it). None
+    for any other RuntimeError."""
+    found = _HDF5_ERRNO.search(str(exc))
+    if found is None or int(found.group(1)) == 0:
+        return None
+    code = int(found.group(1))
+    return OSError(code, f"{os.strerror(code)} ({str(exc).splitlines()[0][:200]})")
 
 
 def _write_shard(path: Path, open_path: str, items: dict[str, TensorSlice],

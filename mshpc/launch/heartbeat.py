@@ -215,12 +215,13 @@ class Heartbeat:
             time.sleep(_RELAY_RETRY_S)
 
     def _send(self, message: dict[str, Any]) -> None:
-        if self._sock is None:
+        sock = self._sock  # once: the train loop's thread sends too, and either may drop it
+        if sock is None:
             return
         data = (json.dumps(message) + "\n").encode()
         try:
             with self._send_lock:
-                self._sock.sendall(data)
+                sock.sendall(data)
         except OSError:
             self._sock = None  # the supervisor is gone; it will stop us if it comes to that
 
@@ -234,12 +235,12 @@ class Heartbeat:
     def _listen(self) -> None:
         """Beat every interval and answer dump requests until the rank exits or the connection ends."""
         buffered = b""
-        while not self._stop.is_set() and self._sock is not None:
+        while not self._stop.is_set() and (sock := self._sock) is not None:  # the loop's thread may drop it
             self._send(self._beat())
             try:
-                ready, _, _ = select.select([self._sock], [], [], self.interval_s)
+                ready, _, _ = select.select([sock], [], [], self.interval_s)
                 if ready:
-                    chunk = self._sock.recv(4096)
+                    chunk = sock.recv(4096)
                     if not chunk:
                         return
                     buffered += chunk

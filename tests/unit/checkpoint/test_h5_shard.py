@@ -1,4 +1,5 @@
 import dataclasses
+import errno
 
 import h5py
 import numpy as np
@@ -6,10 +7,10 @@ import pytest
 import torch
 
 from mshpc.checkpoint import shard_read
-from mshpc.checkpoint.h5_shard import check_datasets, from_bytes, write_shard
+from mshpc.checkpoint.h5_shard import _os_error, check_datasets, from_bytes, write_shard
 from mshpc.checkpoint.shard_read import ReadStats, ShardFiles, read_entries
 from mshpc.tensor_slice import TensorSlice
-from mshpc.errors import CheckpointError
+from mshpc.errors import CheckpointError, is_disk_full
 
 
 def read_back(folder, entries):
@@ -102,3 +103,17 @@ def test_truncated_shard_names_file_and_dataset(tmp_path):
         f.truncate(entries[0].offset + 1000)
     with pytest.raises(CheckpointError, match=r"shard-00000\.h5:model/w: the tensor's \d+ bytes at offset \d+ lie past the file's end"):
         read_back(tmp_path, entries)
+
+
+def test_hdf5s_failed_flush_on_a_full_disk_reads_as_the_os_error_it_is():
+    # what h5py raised in benchmarks/chaos.py when the run directory filled while a shard's file
+    # closed (2026-12-07): a RuntimeError whose errno is only in its text
+    flushed = RuntimeError(
+        "Disable slist on flush dest failure failed (file write failed: time = Mon Dec  7 01:47:55 2026\n"
+        ", filename = '/proc/self/fd/86', file descriptor = 87, errno = 28, error message = 'No space left on "
+        "device', buf = 0x7f48e415b9b8, total write size = 2008, bytes this sub-write = 2008, offset = 11046912)")
+    as_os = _os_error(flushed)
+    assert isinstance(as_os, OSError) and as_os.errno == errno.ENOSPC and is_disk_full(as_os)
+    assert str(as_os).startswith("[Errno 28] No space left on device (Disable slist on flush dest failure failed")
+    assert _os_error(RuntimeError("Unable to synchronously open object (component not found)")) is None
+    assert _os_error(RuntimeError("... errno = 0, error message = 'Success' ...")) is None
