@@ -93,8 +93,8 @@ class Attempt:
     first_step_at: float | None = None  # when a first step finished: training goes on
     generation: int = 0  # recoveries in place within this attempt
     kind: str = "disk"  # how the ranks now training recovered: from disk (or a first start), or in place
-    warm_pending: bool = False  # a generation started in place: once every rank trains, a standby
-    standby_due: bool = False  # the attempt's first standby, to start once every rank trains
+    warm_pending: bool = False  # a generation started in place: "generation_ready" once every rank trains
+    standby_due: bool = False  # standbys to start once every rank has trained a step (each generation's)
     rejoined_at: float = 0.0  # monotonic, when the ranks were told to rejoin
 
 
@@ -362,17 +362,21 @@ class Supervisor:
     # ---------------------------------------------------------------- recovery in place
 
     def _warm(self, states: dict[int, RankState], ranks: Ranks, attempt: Attempt) -> None:
-        """Once every rank of a new generation trains, say so; then, as in an attempt's first
-        generation, have the next standby start importing (not before: it would slow the ranks'
-        own start-up, which no step's time pays for)."""
+        """Once every rank of a new generation trains, say so; once every rank has trained a step
+        of it, as in an attempt's first generation, have the next standbys start importing. Not
+        before: their imports would slow the ranks' start-up and first step, which a recovery's
+        time (to the next completed step) pays for."""
         if not (attempt.warm_pending or attempt.standby_due) or any(s.start_step is None for s in states.values()):
             return
         if attempt.warm_pending:
             self.event("generation_ready", attempt=attempt.number, generation=attempt.generation,
                        ready_s=time.monotonic() - attempt.rejoined_at)
-        attempt.warm_pending = attempt.standby_due = False
-        if self.recovery.standbys > 0 and isinstance(ranks, Replaceable):
-            self._start_standby(ranks, attempt)
+            attempt.warm_pending, attempt.standby_due = False, True
+        trained = all(s.start_step is not None and s.step > s.start_step for s in states.values())
+        if attempt.standby_due and trained:
+            attempt.standby_due = False
+            if self.recovery.in_place and self.recovery.standbys > 0 and isinstance(ranks, Replaceable):
+                self._start_standby(ranks, attempt)
 
     def _start_standby(self, ranks: Replaceable, attempt: Attempt) -> None:
         started = ranks.warm(self.recovery.standbys)

