@@ -372,8 +372,8 @@ class Supervisor:
             self.event("generation_ready", attempt=attempt.number, generation=attempt.generation,
                        ready_s=time.monotonic() - attempt.rejoined_at)
             attempt.warm_pending, attempt.standby_due = False, True
-        trained = all(s.start_step is not None and s.step > s.start_step for s in states.values())
-        if attempt.standby_due and trained:
+        # a pass over every rank: only while a standby is due
+        if attempt.standby_due and all(s.start_step is not None and s.step > s.start_step for s in states.values()):
             attempt.standby_due = False
             if self.recovery.in_place and self.recovery.standbys > 0 and isinstance(ranks, Replaceable):
                 self._start_standby(ranks, attempt)
