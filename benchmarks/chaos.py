@@ -145,16 +145,20 @@ class ChaosRun:
     def rank_pids(self) -> dict[int, int]:
         """The ranks of the attempt now running, by rank: the supervisor's children that a rank's
         variables name, and, after a recovery in place, the processes its `recovered` event names
-        (a standby became a rank after its start); empty while a recovery in place is under way."""
+        (a standby became a rank after its start); empty from a failure's detection until its
+        recovery in place has trained a step: a fault injected then would hit a rank already being
+        replaced (the supervisor's detection may come just before its recover_in_place)."""
         pids = {}
         for pid in children(self.current.proc.pid):
             rank = rank_of(pid)
             if rank is not None:
                 pids[rank] = pid
-        since = [e for e in self.events() if e["time"] >= self.current.at and e["kind"] in ("recover_in_place", "recovered")]
-        if since and since[-1]["kind"] == "recover_in_place":
+        story = ("attempt_start", "failure_detected", "recover_in_place", "recovered")
+        since = [e for e in self.events() if e["time"] >= self.current.at and e["kind"] in story]
+        last = since[-1]["kind"] if since else "attempt_start"
+        if last in ("failure_detected", "recover_in_place"):
             return {}
-        if since:
+        if last == "recovered":
             pids.update(enumerate(since[-1]["pids"]))
         return pids
 
@@ -190,11 +194,25 @@ def rank_of(pid: int) -> int | None:
     return next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
 
 
+def ancestors() -> set[int]:
+    """This process and the ones above it, read from /proc."""
+    found, pid = set(), os.getpid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
 def processes_mentioning(text: str) -> list[int]:
-    found = []
+    """The processes whose command line holds `text`, but for this one and its ancestors: a script
+    that runs this benchmark with --keep names the same folder, and must not be ended with the run."""
+    found, mine = [], ancestors()
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if text in cmdline.read_bytes().decode(errors="replace") and int(cmdline.parent.name) != os.getpid():
+            if text in cmdline.read_bytes().decode(errors="replace") and int(cmdline.parent.name) not in mine:
                 found.append(int(cmdline.parent.name))
         except OSError:
             continue
