@@ -3,9 +3,12 @@ same training without them: ZeRO on 2 gloo ranks, each case from the same initia
 
 float32 throughout: the fused ops compute the same expressions in another order, so losses
 agree to float32 rounding (rel 1e-5), not bitwise. Weights agree to 1e-5 absolute, a
-thousandth of the step size lr = 1e-2, with eps = 1e-6: Adam's first update is about
+thousandth of the step size lr = 1e-2, with eps = 1e-5: Adam's first update is about
 lr * g / (|g| + eps), which turns last-bit differences of gradients near zero (|g| ~ 1e-8
-here) into visible differences of weights; eps = 1e-8 lets them reach 2e-5.
+here) into differences of weights that grow as 1/eps. The largest, in layers.0.mlp.proj.weight
+on a Zen 4 core (AVX-512, whose reductions round otherwise than an AVX2 core's): 1.06e-6 at
+eps = 1e-5, and 1.13e-5 at eps = 1e-6, past the bound that held on the AVX2 core (where eps =
+1e-8 had reached 2e-5).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def train(rank: int, world: int, model_kw: dict, optim: str, mode: str) -> dict:
     torch.manual_seed(0)
     cfg = dataclasses.replace(TINY, fused_kernels=mode, **model_kw)
     kernels = select_kernels(mode)
-    engine = build_zero_engine(GPT(cfg), OptimConfig(name=optim, lr=1e-2, weight_decay=0.1, eps=1e-6),
+    engine = build_zero_engine(GPT(cfg), OptimConfig(name=optim, lr=1e-2, weight_decay=0.1, eps=1e-5),
                                ParallelConfig(dp=world, bucket_mb=16 / 1024), fused=kernels.fused)
     losses = []
     # one batch, every step: its loss must fall, so the comparison is not one of constants
