@@ -15,6 +15,7 @@ from mshpc.launch.hang_report import lagging
 from mshpc.launch.heartbeat import Heartbeat
 from mshpc.launch.monitor import Monitor, RankState
 from mshpc.launch.recovery import NodePool, classify
+from mshpc.launch.supervisor import CHECK_SHARE, MAX_PAUSE_S, check_pause
 from mshpc.launch.timeouts import phase_timeout
 from mshpc.loss_check import LossDiverged, check_loss
 from mshpc.save_schedule import SaveSchedule
@@ -31,6 +32,14 @@ def test_timeouts_follow_the_median_above_the_floor():
     assert phase_timeout(CFG, "eval", [4.0]).seconds == 100  # nor a long validation
     assert phase_timeout(CFG, "compile", [4.0]).seconds == 100  # nor train.compile's first step
     assert phase_timeout(CFG, "setup", [99.0]).seconds == 300
+
+
+def test_the_pause_after_a_check_keeps_checks_to_their_share_and_never_outlasts_a_poll():
+    # 12,288 ranks: a 10 ms check is followed by 90 ms of the monitor's own work
+    assert check_pause(0.010) == pytest.approx(0.010 * (1 / CHECK_SHARE - 1))
+    assert check_pause(0.0) == 0.0 and check_pause(-1e-9) == 0.0  # a clock's rounding
+    # a pass that cost 0.8 s once paused the loop 7.2 s before a rank's SIGKILL was seen
+    assert check_pause(0.8) == MAX_PAUSE_S <= 0.2
 
 
 def states(**by_rank):
