@@ -521,8 +521,8 @@ def check_pause(cost_s: float) -> float:
     """The pause after a pass of the supervisor's loop that cost `cost_s` of this thread's CPU time:
     enough to keep checks to CHECK_SHARE of it, at most MAX_PAUSE_S. CPU time, not wall time: a
     pass that waited (an event's write, a standby's start, a loaded host's scheduler) holds no GIL
-    from the monitor meanwhile, and on a loaded 2-core host a pass of 0.8 s by the wall clock once
-    paused the loop 7.2 s, while a rank's SIGKILL waited to be seen."""
+    from the monitor meanwhile. Paced by wall time without a bound, a pass of 0.8 s would pause the
+    loop 7.2 s; on a loaded 2-core host a rank's SIGKILL was once seen 7.4 s late."""
     return min(max(0.0, cost_s) * (1 / CHECK_SHARE - 1), MAX_PAUSE_S)
 
 
