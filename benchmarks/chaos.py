@@ -46,7 +46,7 @@ import numpy as np
 
 from mshpc.bench import disk_fill, harness
 from mshpc.bench.harness import REPO
-from mshpc.bench.processes import children
+from mshpc.bench.processes import ancestors, children
 from mshpc.run_dir import read_metrics
 
 # configs/tiny.yaml's model (a step takes a good fraction of a second on 2 CPU ranks, so faults
@@ -192,18 +192,6 @@ def rank_of(pid: int) -> int | None:
     except OSError:
         return None
     return next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
-
-
-def ancestors() -> set[int]:
-    """This process and the ones above it, read from /proc."""
-    found, pid = set(), os.getpid()
-    while pid > 1 and pid not in found:
-        found.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    return found
 
 
 def processes_mentioning(text: str) -> list[int]:
