@@ -46,7 +46,7 @@ import numpy as np
 
 from mshpc.bench import disk_fill, harness
 from mshpc.bench.harness import REPO
-from mshpc.bench.processes import ancestors, children
+from mshpc.bench.processes import ancestors
 from mshpc.run_dir import read_metrics
 
 # configs/tiny.yaml's model (a step takes a good fraction of a second on 2 CPU ranks, so faults
@@ -60,8 +60,8 @@ SUPERVISED = ["checkpoint.interval_steps=10", "checkpoint.keep=3", "supervisor.h
               "supervisor.heartbeat_timeout_s=2", "supervisor.timeout_floor_s=10", "supervisor.checkpoint_timeout_s=30",
               "supervisor.stop_grace_s=2", "supervisor.max_restarts=20", "supervisor.evict_after=100"]
 KINDS = ("kill", "stop", "sigterm", "flip", "enospc")
-# what each path adds to SUPERVISED; in place, a second standby for a fault soon after another
-PATHS = {"disk": [], "in_place": ["recovery.in_place=true", "recovery.standbys=2"]}
+# what each path adds to SUPERVISED
+PATHS = {"disk": [], "in_place": ["recovery.in_place=true"]}
 POLL_S = 0.05
 FULL_DISK_S = 5.0  # how long the run directory stays full: long enough that a write falls in it
 WAIT_S = 300.0  # the most any one wait may take before the benchmark calls the run stuck
@@ -143,24 +143,18 @@ class ChaosRun:
         return step
 
     def rank_pids(self) -> dict[int, int]:
-        """The ranks of the attempt now running, by rank: the supervisor's children that a rank's
-        variables name, and, after a recovery in place, the processes its `recovered` event names
-        (a standby became a rank after its start); empty from a failure's detection until its
-        recovery in place has trained a step: a fault injected then would hit a rank already being
-        replaced (the supervisor's detection may come just before its recover_in_place)."""
-        pids = {}
-        for pid in children(self.current.proc.pid):
-            rank = rank_of(pid)
-            if rank is not None:
-                pids[rank] = pid
-        story = ("attempt_start", "failure_detected", "recover_in_place", "recovered")
+        """The ranks of the attempt now running, by rank, as the supervisor's `resumed` or
+        `recovered` event names them (forked by the launcher's fork server, a rank is none of the
+        supervisor's children, and its RANK is no variable it was started with); empty from a
+        failure's detection until its recovery in place has trained a step: a fault injected then
+        would hit a rank already being replaced (the supervisor's detection may come just before
+        its recover_in_place)."""
+        story = ("attempt_start", "resumed", "failure_detected", "recover_in_place", "recovered")
         since = [e for e in self.events() if e["time"] >= self.current.at and e["kind"] in story]
-        last = since[-1]["kind"] if since else "attempt_start"
-        if last in ("failure_detected", "recover_in_place"):
-            return {}
-        if last == "recovered":
-            pids.update(enumerate(since[-1]["pids"]))
-        return pids
+        last = since[-1] if since else {"kind": "attempt_start"}
+        if last["kind"] == "recovered" or (last["kind"] == "resumed" and last["recovery"] != "in_place"):
+            return {r: pid for r, pid in enumerate(last["pids"]) if pid is not None}
+        return {}
 
     def events(self) -> list[dict]:
         path = self.run_dir / "events.jsonl"
@@ -183,15 +177,6 @@ class ChaosRun:
                 continue
             out.append(("header" if "rank" in record else "step", record["time"], record.get("step", 0)))
         return out
-
-
-def rank_of(pid: int) -> int | None:
-    """The RANK a process was started with (a standby has none until it takes one)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
 
 
 def processes_mentioning(text: str) -> list[int]:

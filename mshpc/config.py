@@ -414,10 +414,6 @@ class RecoveryConfig:
     spike_factor: float = at_least(1.0, default=10.0)  # a spike: past this many times the running median
     spike_window_steps: int = at_least(3, default=20)  # the running median's window
     persistent_after: int = at_least(1, default=2)  # replays a rank differs in before its node is evicted
-    # the local launcher keeps this many processes per job with torch imported, each waiting to
-    # replace a lost rank (a cold start imports torch first: seconds); a used one is replaced once
-    # the ranks train again, so a second fault soon after the first finds the second; 0: cold starts
-    standbys: int = at_least(0, default=1)
     # in place, a disk full where the run writes its own files (metrics, timings, events) holds their
     # lines in memory this long before failing the run (mshpc/full_disk.py), and a save that must
     # succeed (the last step's, a stop's) is tried again this long (train_checkpoint.py); off: at once

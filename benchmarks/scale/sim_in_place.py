@@ -167,17 +167,13 @@ class SimNodes:
     def kill(self, rank: int) -> None:
         pass  # its node already said it ended
 
-    def replace(self, rank: int, env: dict[str, str]) -> bool:
+    def replace(self, rank: int, env: dict[str, str]) -> None:
         if self.proc is not None:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps({"rank": rank, "host": env["MSHPC_NODE"]}) + "\n")
             self.proc.stdin.flush()
         else:
             self.loop.call_soon_threadsafe(revive, self.nodes, rank, env["MSHPC_NODE"], self.done)
-        return True
-
-    def warm(self, count: int) -> list[int]:
-        return []  # the simulated nodes need no standby
 
 
 def _nodes_main(spec_json: str) -> None:

@@ -30,8 +30,8 @@ def dali_missing() -> str | None:
 
 
 def preload_dali() -> bool:
-    """Import the DALI modules a loader uses, when DALI is installed (whether it is): a standby
-    (mshpc/launch/standby.py) pays these 0.5 CPU-s before a fault, not on a replacement's way."""
+    """Import the DALI modules a loader uses, when DALI is installed (whether it is): the fork
+    server (mshpc/launch/fork_server.py) pays these 0.5 CPU-s once, not each rank it forks."""
     if dali_missing() is not None:
         return False
     import nvidia.dali.fn  # noqa: F401  imported for their side effect: warm modules

@@ -5,9 +5,10 @@ On a crash or a hang the supervisor decides here whom to replace: the ranks that
 silent ranks of a hang, or a rank that failed on its own and waits. It ends them (a frozen or
 failing process must not hold its peers' connections open), tells the others to abort their
 communicators (NCCL waits on no dead peer's socket) and to rejoin a new generation, a rendezvous
-of its own served by the lowest surviving rank, and has a standby process (or a cold one) take
-each replaced rank's place, on its node or on a spare when the node was evicted. The ranks then
-agree on a snapshot step and go on (mshpc/snapshot/restore.py).
+of its own served by the lowest surviving rank, and has a process forked by the launcher's fork
+server (mshpc/launch/fork_server.py) take each replaced rank's place, on its node or on a spare
+when the node was evicted. The ranks then agree on a snapshot step and go on
+(mshpc/snapshot/restore.py).
 
 It cannot help, and the supervisor restarts from disk as before, when the failure is no crash or
 hang, when no rank can be named to replace, when a replaced rank's buddy is replaced too (its
@@ -112,20 +113,16 @@ class Replaceable(Protocol):
     """Ranks whose launcher can end one rank and start another in its place (the local one)."""
 
     def kill(self, rank: int) -> None: ...
-    def replace(self, rank: int, env: dict[str, str]) -> bool: ...  # True: a warm standby took it
-    def warm(self, count: int) -> list[int]: ...  # `count` standbys ready for the next ones (the PIDs started)
+    def replace(self, rank: int, env: dict[str, str]) -> None: ...
 
 
-def carry_out(p: Plan, gen: Generation, monitor: Monitor, ranks: Replaceable, nodes: Sequence[str]) -> list[bool]:
+def carry_out(p: Plan, gen: Generation, monitor: Monitor, ranks: Replaceable, nodes: Sequence[str]) -> None:
     """End the replaced ranks, start each replacement on `nodes[rank]`, then tell the survivors to
-    abort their communicators and rejoin `gen` (one write per node); returns, per replaced rank,
-    whether a warm standby took it."""
+    abort their communicators and rejoin `gen` (one write per node)."""
     for r in p.replaced:  # first: their sockets close, and the survivors' gloo waits end
         ranks.kill(r)
-    warm = []
     for r in p.replaced:
         monitor.replace(r, gen.number)
-        warm.append(ranks.replace(r, gen.env(r, nodes[r])))
+        ranks.replace(r, gen.env(r, nodes[r]))
     monitor.renew(list(p.survivors), gen.number)
     monitor.send({r: gen.rejoin(r) for r in p.survivors})
-    return warm

@@ -1,16 +1,14 @@
 """The local launcher: start N ranks on this machine, wait, and stop them all if one fails.
 
 Ranks get torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), so the
-same training entry point serves torchrun, srun, mpiexec and this launcher. For a recovery in
-place it replaces one rank by a warm standby (mshpc/launch/standby.py) or, without one, a cold
-start; the local slots share one host, so its standbys (`recovery.standbys`) serve them all.
+same training entry point serves torchrun, srun, mpiexec and this launcher. Every rank is forked
+by one fork server (mshpc/launch/fork_server.py) that has imported torch and the train loop once,
+the first ranks and, for a recovery in place, each replacement, within milliseconds.
 """
 
 from __future__ import annotations
 
 import collections
-import json
-import os
 import re
 import signal
 import subprocess
@@ -19,18 +17,35 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from mshpc.launch.orphan_guard import die_with_parent
+from mshpc.launch.forked import ForkServer
 from mshpc.launch.ports import free_port
 
 STOP_GRACE_S = 5.0  # SIGTERM first, so ranks can flush logs; SIGKILL after this
 TAIL_LINES = 20
 
 
+class Process(Protocol):
+    """What the launcher uses of a process: subprocess.Popen's, or a forked rank's (forked.py)."""
+
+    @property
+    def pid(self) -> int | None: ...  # None: not forked yet
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def stderr(self) -> Any: ...
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, signum: int) -> None: ...
+    def kill(self) -> None: ...
+
+
 @dataclass
 class RankProcess:
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: Process
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     exited_at: float | None = None
     exited_wall: float | None = None  # time.time(), comparable with the ranks' own reports
@@ -58,7 +73,7 @@ class RankFailure:
         return f"rank {self.rank} {how}" + (f": {why}" if why else "")
 
 
-STANDBY = -1  # a standby's rank until it takes one
+FORK_SERVER = -1  # the fork server's stderr is pumped as a rank's is, under this number
 CLEAR_LINE = "\r\033[K"  # back to the line's start, then erase it (ECMA-48 EL), as progress.py draws
 
 
@@ -72,7 +87,7 @@ def _pump(rp: RankProcess) -> None:
     for raw in rp.proc.stderr:
         line = raw.decode(errors="replace").rstrip("\n")
         rp.tail.append(line)
-        sys.stderr.write(f"{erase}[{'standby' if rp.rank == STANDBY else f'rank {rp.rank}'}] {line}\n")
+        sys.stderr.write(f"{erase}[{'fork server' if rp.rank == FORK_SERVER else f'rank {rp.rank}'}] {line}\n")
         sys.stderr.flush()
 
 
@@ -89,18 +104,7 @@ def _rank_env(rank: int, nproc: int, port: int, extra_env: dict[str, str]) -> di
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "MSHPC_BOOTSTRAP": "env", **extra_env}
 
 
-def _start(argv: Sequence[str], rank: int, env: dict[str, str], standby: bool = False) -> RankProcess:
-    # Its own session: a signal to the launcher's process group (a terminal's hangup, `timeout`,
-    # Ctrl-C) reaches the launcher only, which stops the ranks in order; and the rank dies with
-    # the launcher, whatever ends it (kill -9 included).
-    module = "mshpc.launch.standby" if standby else "mshpc"
-    proc = subprocess.Popen([sys.executable, "-m", module, *argv], env={**os.environ, **env},
-                            stdin=subprocess.PIPE if standby else None, stderr=subprocess.PIPE,
-                            start_new_session=True, preexec_fn=die_with_parent())
-    return RankProcess(rank=rank, proc=proc)
-
-
-def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = STOP_GRACE_S) -> list[int]:
+def stop_all(procs: Sequence[Process], grace_s: float = STOP_GRACE_S) -> list[int]:
     """SIGTERM every live process, SIGKILL those still alive after `grace_s` (a hung one);
     returns the indices of the processes that needed SIGKILL. SIGCONT follows SIGTERM, as
     systemd does: a stopped process (SIGSTOP, Ctrl-Z) acts on it at once instead of holding it
@@ -129,7 +133,8 @@ def _first_failure(ranks: list[RankProcess]) -> RankProcess | None:
 
 
 class LocalRanks:
-    """`python -m mshpc ARGV` as N ranks on this machine, with their stderr prefixed and kept."""
+    """`python -m mshpc ARGV` as N ranks on this machine, forked by one fork server, with their
+    stderr prefixed and kept. Started from the thread that stops it: the server dies with it."""
 
     def __init__(self, argv: Sequence[str], rank_env: Sequence[dict[str, str]],
                  wake: threading.Event | None = None) -> None:
@@ -140,12 +145,17 @@ class LocalRanks:
         self.changed = threading.Event()
         self.wake = wake  # also set on an exit: the supervisor's loop waits on it
         self._threads: list[threading.Thread] = []
-        self.ranks = [self._follow(_start(argv, r, _rank_env(r, self.nproc, self.port, env)))
-                      for r, env in enumerate(rank_env)]
-        self.standbys: list[RankProcess] = []  # the oldest first: the likeliest to have imported
+        self.server = ForkServer(argv, self.base_env)
+        # its words (an import that failed) go to stderr as a rank's do, and end the ranks it was to fork
+        self.server_out = RankProcess(FORK_SERVER, self.server.proc)
+        self._server_pump = threading.Thread(target=_pump, args=(self.server_out,), daemon=True)
+        self._server_pump.start()
+        self._threads.append(self._server_pump)
+        self.ranks = [self._fork(r, env) for r, env in enumerate(rank_env)]
 
-    def _follow(self, rp: RankProcess) -> RankProcess:
-        """Pump its stderr and watch for its exit."""
+    def _fork(self, rank: int, env: dict[str, str]) -> RankProcess:
+        """Fork `rank` with `env` on top of the attempt's; pump its stderr and watch for its exit."""
+        rp = RankProcess(rank, self.server.fork({**self.base_env, **_rank_env(rank, self.nproc, self.port, env)}))
         for f, a in ((_pump, (rp,)), (_watch, (rp, self._exited))):
             thread = threading.Thread(target=f, args=a, daemon=True)
             thread.start()
@@ -159,16 +169,6 @@ class LocalRanks:
 
     # ---------------------------------------------------------------- recovery in place
 
-    def warm(self, count: int = 1) -> list[int]:
-        """Start standbys until `count` are running (the PIDs of those it started): they import
-        while the ranks train. Called from the thread that started the ranks (a child dies with the
-        thread that started it)."""
-        self.standbys = [s for s in self.standbys if s.proc.poll() is None]
-        started = [self._follow(_start(self.argv, STANDBY, self.base_env, standby=True))
-                   for _ in range(count - len(self.standbys))]
-        self.standbys += started
-        return [s.proc.pid for s in started]
-
     def kill(self, rank: int) -> None:
         """SIGKILL `rank` (a frozen process too), and wait for its end: its sockets close, so
         its peers' collectives fail instead of waiting on it."""
@@ -177,31 +177,24 @@ class LocalRanks:
             proc.kill()
         proc.wait()
 
-    def replace(self, rank: int, env: dict[str, str]) -> bool:
-        """Run `rank` anew with `env` on top of the attempt's: the oldest standby takes it if one
-        is warm (True), else a cold start does (False)."""
-        full = {**self.base_env, **_rank_env(rank, self.nproc, self.port, env)}
-        standby = self.standbys.pop(0) if self.standbys else None
-        if standby is not None and standby.proc.poll() is None and standby.proc.stdin is not None:
-            try:
-                standby.proc.stdin.write((json.dumps({"env": full}) + "\n").encode())
-                standby.proc.stdin.close()
-                standby.rank = rank
-                self.ranks[rank] = standby
-                return True
-            except OSError:
-                standby.proc.kill()  # it died meanwhile: start cold
-        self.ranks[rank] = self._follow(_start(self.argv, rank, full))
-        return False
+    def replace(self, rank: int, env: dict[str, str]) -> None:
+        """Run `rank` anew, forked with `env` on top of the attempt's."""
+        self.ranks[rank] = self._fork(rank, env)
 
     def all_exited(self) -> bool:
         return all(r.exited_at is not None for r in self.ranks)
 
     def first_failure(self) -> RankFailure | None:
         failed = _first_failure(self.ranks)
-        if failed is None:
-            return None
-        return RankFailure(rank=failed.rank, returncode=failed.proc.returncode, last_lines=tuple(failed.tail))
+        return None if failed is None else self.failure_of(failed)
+
+    def failure_of(self, rp: RankProcess) -> RankFailure:
+        """How `rp` ended; a rank never forked has no words: the server's say why (an import that failed)."""
+        if rp.proc.pid is None:  # the server has ended: its last lines are on their way
+            self._server_pump.join(timeout=STOP_GRACE_S)
+        said = rp.tail if rp.proc.pid is not None else self.server_out.tail
+        assert rp.proc.returncode is not None
+        return RankFailure(rank=rp.rank, returncode=rp.proc.returncode, last_lines=tuple(said))
 
     def signal_all(self, signum: int) -> None:
         """Send `signum` to every rank still running."""
@@ -210,12 +203,13 @@ class LocalRanks:
                 r.proc.send_signal(signum)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> list[int]:
-        """Stop every rank (see `stop_all`) and the standbys; returns the ranks that needed SIGKILL."""
-        for standby in self.standbys:
-            if standby.proc.poll() is None:
-                standby.proc.kill()  # it holds nothing: no grace
-                standby.proc.wait()
+        """Stop every rank (see `stop_all`), then the fork server; returns the ranks that needed
+        SIGKILL. A server that has not forked them all yet is still importing: it is ended first,
+        and with it what it forked, rather than waited for."""
+        if self.server.unforked():
+            self.server.close()
         killed = stop_all([r.proc for r in self.ranks], grace_s)
+        self.server.close()
         for t in self._threads:
             t.join(timeout=STOP_GRACE_S)
         return killed

@@ -96,7 +96,6 @@ class Attempt:
     generation: int = 0  # recoveries in place within this attempt
     kind: str = "disk"  # how the ranks now training recovered: from disk (or a first start), or in place
     warm_pending: bool = False  # a generation started in place: "generation_ready" once every rank trains
-    standby_due: bool = False  # standbys to start once every rank has trained a step (each generation's)
     rejoined_at: float = 0.0  # monotonic, when the ranks were told to rejoin
 
 
@@ -224,9 +223,6 @@ class Supervisor:
         ranks = self.start(number, attempt.hosts, env)
         if isinstance(ranks, WakesOnExit):  # a stop's or a finished run's end is seen at once
             ranks.wake_on_exit(monitor.changed)
-        # not beside the ranks' start-up: its imports would slow theirs (a rerun's start-up is
-        # lost time); a fault before every rank trains is recovered in place by a cold start
-        attempt.standby_due = self.recovery.in_place and self.recovery.standbys > 0 and isinstance(ranks, Replaceable)
         try:
             code, seen = self._watch(monitor, ranks, attempt, token)
             if seen is None:
@@ -266,7 +262,7 @@ class Supervisor:
                 if exited or time.monotonic() - done_at > EXIT_WAIT_S:
                     return code, None
                 continue
-            self._warm(monitor.ranks, ranks, attempt)
+            self._ready(monitor.ranks, attempt)
             det = detect(monitor.ranks, self.scfg, attempt.started_at, settle_s)
             # a failure still settling is acted on once it has, not at the next poll (0: settled,
             # an echo waiting for its cause, which ends with news or the poll)
@@ -315,7 +311,9 @@ class Supervisor:
             attempt.resumed_from = first.start_step
             before = self.tally.trained_from
             self.tally.trained_from = first.start_step if before is None else min(before, first.start_step)
-            self.event("resumed", attempt=attempt.number, recovery=attempt.kind, from_step=first.start_step)
+            # the PIDs the ranks said hello with (every rank did, before rank 0 trains)
+            self.event("resumed", attempt=attempt.number, recovery=attempt.kind, from_step=first.start_step,
+                       pids=[states[r].pid for r in sorted(states)])
         trained = first.start_step is not None and first.step > first.start_step
         if attempt.first_step_at is None and (trained or (first.outcome or {}).get("how") == "ok"):
             attempt.first_step_at = time.monotonic()
@@ -363,27 +361,12 @@ class Supervisor:
 
     # ---------------------------------------------------------------- recovery in place
 
-    def _warm(self, states: dict[int, RankState], ranks: Ranks, attempt: Attempt) -> None:
-        """Once every rank of a new generation trains, say so; once every rank has trained a step
-        of it, as in an attempt's first generation, have the next standbys start importing. Not
-        before: their imports would slow the ranks' start-up and first step, which a recovery's
-        time (to the next completed step) pays for."""
-        if not (attempt.warm_pending or attempt.standby_due) or any(s.start_step is None for s in states.values()):
-            return
-        if attempt.warm_pending:
+    def _ready(self, states: dict[int, RankState], attempt: Attempt) -> None:
+        """Once every rank of a generation started in place trains, say so."""
+        if attempt.warm_pending and all(s.start_step is not None for s in states.values()):
             self.event("generation_ready", attempt=attempt.number, generation=attempt.generation,
                        ready_s=time.monotonic() - attempt.rejoined_at)
-            attempt.warm_pending, attempt.standby_due = False, True
-        # a pass over every rank: only while a standby is due
-        if attempt.standby_due and all(s.start_step is not None and s.step > s.start_step for s in states.values()):
-            attempt.standby_due = False
-            if self.recovery.in_place and self.recovery.standbys > 0 and isinstance(ranks, Replaceable):
-                self._start_standby(ranks, attempt)
-
-    def _start_standby(self, ranks: Replaceable, attempt: Attempt) -> None:
-        started = ranks.warm(self.recovery.standbys)
-        if started:
-            self.event("standby_started", attempt=attempt.number, generation=attempt.generation, pids=started)
+            attempt.warm_pending = False
 
     def _in_place(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt,
                   missing: list[Missing]) -> tuple[bool, Verdict | None]:
@@ -413,12 +396,12 @@ class Supervisor:
         nodes = [attempt.hosts[r // per] for r in range(self.world)]
         assert isinstance(ranks, Replaceable)
         kept = [{"rank": r, "pid": states[r].pid} for r in chosen.survivors]
-        warm = carry_out(chosen, gen, monitor, ranks, nodes)
+        carry_out(chosen, gen, monitor, ranks, nodes)
         self.event("recover_in_place", attempt=attempt.number, generation=gen.number, store_rank=gen.store_rank,
-                   replaced=[{"rank": r, "node": nodes[r], "buddy": chosen.keepers[r], "standby": w}
-                             for r, w in zip(chosen.replaced, warm, strict=True)], kept=kept, ring=chosen.ring)
-        log.warning("supervisor: recovering in place: rank(s) %s replaced (%s), generation %d",
-                    ", ".join(map(str, chosen.replaced)), "warm standby" if all(warm) else "cold start", gen.number)
+                   replaced=[{"rank": r, "node": nodes[r], "buddy": chosen.keepers[r]} for r in chosen.replaced],
+                   kept=kept, ring=chosen.ring)
+        log.warning("supervisor: recovering in place: rank(s) %s replaced, generation %d",
+                    ", ".join(map(str, chosen.replaced)), gen.number)
         attempt.resumed_from, attempt.first_step_at, attempt.kind = None, None, "in_place"
         attempt.warm_pending, attempt.rejoined_at = True, time.monotonic()
         return True, verdict
@@ -520,7 +503,7 @@ class Supervisor:
 def check_pause(cost_s: float) -> float:
     """The pause after a pass of the supervisor's loop that cost `cost_s` of this thread's CPU time:
     enough to keep checks to CHECK_SHARE of it, at most MAX_PAUSE_S. CPU time, not wall time: a
-    pass that waited (an event's write, a standby's start, a loaded host's scheduler) holds no GIL
+    pass that waited (an event's write, a rank's fork, a loaded host's scheduler) holds no GIL
     from the monitor meanwhile. Paced by wall time without a bound, a pass of 0.8 s would pause the
     loop 7.2 s; on a loaded 2-core host a rank's SIGKILL was once seen 7.4 s late."""
     return min(max(0.0, cost_s) * (1 / CHECK_SHARE - 1), MAX_PAUSE_S)
@@ -587,13 +570,11 @@ class _LocalAttempt:
         self.ranks = ranks
 
     def update(self, states: dict[int, RankState]) -> None:
-        from mshpc.launch.local import RankFailure
-
         for rp in self.ranks.ranks:
             if rp.exited_wall is not None and states[rp.rank].exited_at is None:
                 s = states[rp.rank]
                 s.exit_code, s.exited_at = rp.proc.returncode, rp.exited_wall
-                s.exit_detail = RankFailure(rp.rank, rp.proc.returncode, tuple(rp.tail)).describe()
+                s.exit_detail = self.ranks.failure_of(rp).describe()
 
     def request_stop(self) -> None:
         self.ranks.signal_all(STOP_REQUEST_SIGNAL)
@@ -604,11 +585,8 @@ class _LocalAttempt:
     def kill(self, rank: int) -> None:
         self.ranks.kill(rank)
 
-    def replace(self, rank: int, env: dict[str, str]) -> bool:
-        return bool(self.ranks.replace(rank, env))
-
-    def warm(self, count: int) -> list[int]:
-        return list(self.ranks.warm(count))
+    def replace(self, rank: int, env: dict[str, str]) -> None:
+        self.ranks.replace(rank, env)
 
     def wake_on_exit(self, event: threading.Event) -> None:
         self.ranks.wake = event

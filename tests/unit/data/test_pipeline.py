@@ -33,7 +33,7 @@ def test_the_per_node_reader_uses_the_torch_reader_and_refuses_dali() -> None:
         load_config(None, ["data.per_node_reader=true", "data.loader=dali"])
 
 
-def test_a_standby_preloads_the_modules_a_dali_loader_imports() -> None:
+def test_the_fork_server_preloads_the_modules_a_dali_loader_imports() -> None:
     # a fresh process: this one may have imported DALI in another test
     code = ("import sys\nfrom mshpc.data.dali_source import dali_missing, preload_dali\n"
             "print(preload_dali(), dali_missing() is None, 'nvidia.dali.plugin.pytorch' in sys.modules)\n")

@@ -15,7 +15,6 @@ from mshpc.launch.heartbeat import Heartbeat
 from mshpc.launch.in_place import Generation, plan
 from mshpc.launch.monitor import Monitor, RankState
 from mshpc.launch.node_relay import addressee
-from mshpc.launch.standby import read_assignment
 from mshpc.mesh_shape import MeshShape
 from mshpc.save_schedule import SaveSchedule
 
@@ -107,13 +106,6 @@ def test_a_relay_passes_a_rank_its_own_word_and_every_rank_a_dump_request():
     assert addressee(b'{"type": "rejoin", "rank": 5, "generation": 1}\n') == 5
     assert addressee(b'{"type": "abort", "rank": 2}\n') == 2
     assert addressee(b'{"type": "abort", "rank": "2"}\n') is None and addressee(b"[1]") is None
-
-
-def test_a_standby_takes_an_object_of_strings_only():
-    assert read_assignment('{"env": {"RANK": "3", "MSHPC_NODE": "slot3"}}') == {"RANK": "3", "MSHPC_NODE": "slot3"}
-    for bad in ('{"env": {"RANK": 3}}', '{"env": []}', "[]", '{"env": {"X": "' + "y" * 70_000 + '"}}'):
-        with pytest.raises(ValueError):
-            read_assignment(bad)
 
 
 def test_lost_and_rejoin_travel_between_a_real_heartbeat_and_monitor():
