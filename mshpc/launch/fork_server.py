@@ -7,11 +7,9 @@ the same job with one idle process per expected fault; Android's zygote is this 
 
     python -m mshpc.launch.fork_server ARGV...     (ARGV: the ranks' own `mshpc` arguments)
 
-Its launcher (mshpc/launch/forked.py) holds the other end of a SOCK_SEQPACKET socket, whose
-descriptor is named by MSHPC_FORK_SERVER_FD. Each request is one JSON message, {"fork": N, "env":
-{NAME: VALUE, ...}}, with one descriptor attached: the rank's stderr. The server answers
-{"forked": N, "pid": PID} at once and {"exit": PID, "code": C} when the rank ends (C as Popen's
-returncode: -SIGNAL for a signal); it is the ranks' parent and reaps them. End of input: it exits.
+Its launcher (mshpc/launch/forked.py) holds the other end of its socket and asks for each rank
+(mshpc/launch/fork_protocol.py); the server is the ranks' parent, reaps them and reports their
+ends. End of input: it exits.
 
 A fork is safe only from a process with one thread and no CUDA context; the server checks both
 after its imports and refuses to serve otherwise (its words then end every rank it was asked for).
@@ -29,27 +27,8 @@ import threading
 from dataclasses import dataclass
 from typing import NoReturn
 
+from mshpc.launch.fork_protocol import FD_ENV, MESSAGE_MAX_BYTES, Request, read_request
 from mshpc.launch.orphan_guard import die_with_parent
-
-FD_ENV = "MSHPC_FORK_SERVER_FD"
-MESSAGE_MAX_BYTES = 64 * 1024  # a request: a rank's few dozen variables
-
-
-@dataclass(frozen=True)
-class Request:
-    number: int
-    env: dict[str, str]
-
-
-def read_request(data: bytes) -> Request:
-    """One fork request; ValueError for anything but {"fork": int, "env": {str: str}}."""
-    message = json.loads(data)
-    if not isinstance(message, dict) or not isinstance(message.get("fork"), int):
-        raise ValueError('a fork request must be {"fork": N, "env": {NAME: VALUE, ...}}')
-    env = message.get("env")
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-        raise ValueError("a fork request's env must be an object of strings")
-    return Request(message["fork"], env)
 
 
 def unsafe_to_fork() -> str:

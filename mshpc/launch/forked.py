@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from mshpc.launch.fork_server import FD_ENV, MESSAGE_MAX_BYTES
+from mshpc.launch.fork_protocol import FD_ENV, MESSAGE_MAX_BYTES
 from mshpc.launch.orphan_guard import die_with_parent
 
 CLOSE_WAIT_S = 5.0  # how long the server gets to end once its socket is closed

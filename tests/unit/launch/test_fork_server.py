@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from support.cli_runner import REPO, train_args
 
-from mshpc.launch.fork_server import read_request
+from mshpc.launch.fork_protocol import read_request
 from mshpc.launch.forked import ForkServer
 from mshpc.launch.local import LocalRanks
 from mshpc.launch.ports import free_port
