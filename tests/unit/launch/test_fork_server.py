@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from support.cli_runner import REPO, train_args
 
 from mshpc.launch.fork_protocol import read_request
+from mshpc.launch.fork_server import unsafe_to_fork
 from mshpc.launch.forked import ForkServer
 from mshpc.launch.local import LocalRanks
 from mshpc.launch.ports import free_port
@@ -133,3 +135,14 @@ def test_a_fork_request_is_an_object_of_strings_only():
     for bad in (b'{"fork": 3, "env": {"RANK": 3}}', b'{"fork": "3", "env": {}}', b'{"env": {}}', b"[]"):
         with pytest.raises(ValueError):
             read_request(bad)
+
+
+def test_a_server_with_a_second_thread_refuses_to_fork():
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert "Python threads after the imports" in unsafe_to_fork()
+    finally:
+        release.set()
+        other.join()
