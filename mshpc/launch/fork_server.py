@@ -13,6 +13,8 @@ ends. End of input: it exits.
 
 A fork is safe only from a process with one thread and no CUDA context; the server checks both
 after its imports and refuses to serve otherwise (its words then end every rank it was asked for).
+It ignores the signals that ask a job to stop, which its ranks act on: it ends when its launcher
+closes its socket or dies.
 """
 
 from __future__ import annotations
@@ -29,6 +31,22 @@ from typing import NoReturn
 
 from mshpc.launch.fork_protocol import FD_ENV, MESSAGE_MAX_BYTES, Request, read_request
 from mshpc.launch.orphan_guard import die_with_parent
+
+# What a scheduler or a person sends a job's processes to ask for a stop or a checkpoint (scancel
+# and the time limit signal every process of a job step, this one too): its ranks act on them,
+# the server holds nothing to save, and its end would take its ranks with it (their death signal)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def ignore_stop_signals() -> None:
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def restore_stop_signals() -> None:
+    """What a fresh Python process has: KeyboardInterrupt on SIGINT, the default for the others."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
 
 def unsafe_to_fork() -> str:
@@ -81,6 +99,7 @@ def _fork(control: socket.socket, request: Request, stderr_fd: int, wakeup: tupl
         return None
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    restore_stop_signals()
     sel.close()
     for fd in wakeup:
         os.close(fd)
@@ -118,6 +137,7 @@ def serve(control: socket.socket) -> Child | None:
 
 
 def main(argv: list[str]) -> NoReturn:
+    ignore_stop_signals()
     control = socket.socket(fileno=int(os.environ.pop(FD_ENV)))
     # the imports a rank's start-up would pay, paid once: the CLI, torch, the train loop, and
     # DALI, which a loader (data.loader auto or dali) imports when it is built

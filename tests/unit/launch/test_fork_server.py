@@ -146,3 +146,22 @@ def test_a_server_with_a_second_thread_refuses_to_fork():
     finally:
         release.set()
         other.join()
+
+
+def test_a_stop_signal_to_the_server_leaves_it_and_its_ranks_running(tmp_path):
+    # scancel and the time limit signal every process of a job step: a rank stops after a
+    # checkpoint, which the server's end (and with it its ranks' death signal) would cut short
+    server = ForkServer(train_args(tmp_path, tmp_path / "cache"), {})
+    try:
+        rank = server.fork(_waiting_rank_env())
+        _until(lambda: rank.pid is not None)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT):
+            os.kill(server.proc.pid, signum)
+        time.sleep(0.5)
+        assert server.proc.poll() is None and rank.poll() is None and alive(rank.pid)
+        # the rank has a fresh process's dispositions: SIGTERM is not ignored there
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(30) == -signal.SIGTERM
+    finally:
+        server.close()
+    assert server.proc.returncode == 0
