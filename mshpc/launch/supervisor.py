@@ -95,7 +95,7 @@ class Attempt:
     first_step_at: float | None = None  # when a first step finished: training goes on
     generation: int = 0  # recoveries in place within this attempt
     kind: str = "disk"  # how the ranks now training recovered: from disk (or a first start), or in place
-    warm_pending: bool = False  # a generation started in place: "generation_ready" once every rank trains
+    ready_pending: bool = False  # a generation started in place: "generation_ready" once every rank trains
     rejoined_at: float = 0.0  # monotonic, when the ranks were told to rejoin
 
 
@@ -363,10 +363,10 @@ class Supervisor:
 
     def _ready(self, states: dict[int, RankState], attempt: Attempt) -> None:
         """Once every rank of a generation started in place trains, say so."""
-        if attempt.warm_pending and all(s.start_step is not None for s in states.values()):
+        if attempt.ready_pending and all(s.start_step is not None for s in states.values()):
             self.event("generation_ready", attempt=attempt.number, generation=attempt.generation,
                        ready_s=time.monotonic() - attempt.rejoined_at)
-            attempt.warm_pending = False
+            attempt.ready_pending = False
 
     def _in_place(self, det: Detection, monitor: Monitor, ranks: Ranks, attempt: Attempt,
                   missing: list[Missing]) -> tuple[bool, Verdict | None]:
@@ -403,7 +403,7 @@ class Supervisor:
         log.warning("supervisor: recovering in place: rank(s) %s replaced, generation %d",
                     ", ".join(map(str, chosen.replaced)), gen.number)
         attempt.resumed_from, attempt.first_step_at, attempt.kind = None, None, "in_place"
-        attempt.warm_pending, attempt.rejoined_at = True, time.monotonic()
+        attempt.ready_pending, attempt.rejoined_at = True, time.monotonic()
         return True, verdict
 
     def _cannot_recover(self, verdict: Verdict, ranks: Ranks) -> str:
