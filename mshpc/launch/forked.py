@@ -58,9 +58,6 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def forked(self, pid: int) -> None:
         with self._lock:
             self.pid = pid
