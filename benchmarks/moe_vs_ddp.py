@@ -49,7 +49,7 @@ def transformers_moe(moe, d_model: int, expert_ffn: int):
     return block
 
 
-def build_steps(cfg, rank: int, micro_batch: int) -> dict:
+def build_steps(cfg, rank: int, micro_batch: int, dtype: str) -> dict:
     import torch
 
     from mshpc.bench.ddp_baseline import ddp_train_step
@@ -64,6 +64,7 @@ def build_steps(cfg, rank: int, micro_batch: int) -> dict:
     batch = torch.randint(0, cfg.model.vocab_size, (micro_batch, cfg.model.seq_len + 1), generator=gen)
     x, y = batch[:, :-1], batch[:, 1:]
     mesh = build_mesh(MeshShape(pp=1, dp=2, tp=1))
+    autocast = {"fp32": None, "bf16": torch.bfloat16}[dtype]
 
     def fresh() -> GPT:
         torch.manual_seed(0)
@@ -75,7 +76,9 @@ def build_steps(cfg, rank: int, micro_batch: int) -> dict:
                              optim=cfg.optim).engine
 
         def step() -> None:
-            engine.backward(loss_fn(engine.model(x), y))
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):  # as train.py does
+                loss = loss_fn(engine.model(x), y)
+            engine.backward(loss)
             engine.step(cfg.optim.grad_clip)
         return step, engine.wait_params
 
@@ -86,7 +89,7 @@ def build_steps(cfg, rank: int, micro_batch: int) -> dict:
                 block.mlp = transformers_moe(block.mlp, cfg.model.d_model, cfg.model.expert_ffn)
         if compiled:
             apply_compile(model.layers.values(), cfg.model.fused_kernels, torch.device("cpu"), fullgraph=False)
-        return ddp_train_step(model, x, y, parallel=cfg.parallel, optim=cfg.optim)
+        return ddp_train_step(model, x, y, parallel=cfg.parallel, optim=cfg.optim, autocast=autocast)
 
     build = {"mshpc_eager": lambda: mshpc_step(False), "mshpc_compiled": lambda: mshpc_step(True),
              "ddp_eager": lambda: ddp_step(False), "ddp_compiled": lambda: ddp_step(True)}
@@ -106,7 +109,7 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> Non
 
     select_cpu_tunings(torch.device("cpu"))  # as a CPU rank of `mshpc train` does at start-up
     cfg = load_config(REPO / "configs/tiny-moe.yaml", ["parallel.dp=2"])
-    steps = build_steps(cfg, rank, args.micro_batch)
+    steps = build_steps(cfg, rank, args.micro_batch, args.dtype)
     cpu: dict[str, list[float]] = {name: [] for name in steps}
     faults: dict[str, list[int]] = {name: [] for name in steps}
     steps = {name: (cpu_timed(step, cpu[name], faults[name]), finish) for name, (step, finish) in steps.items()}
@@ -121,8 +124,9 @@ def worker(rank: int, port: int, args: argparse.Namespace, out: mp.Queue) -> Non
 def lines(r: dict, load: list[float], args: argparse.Namespace) -> list[dict]:
     tokens = r["tokens_per_step"]
     per_cpu = {n: tokens / s for n, s in r["cpu_s"].items()}
-    context = {"config": "configs/tiny-moe.yaml", "dp": 2, "device": "cpu", "micro_batch_per_rank": args.micro_batch,
-               "load_avg": load, "baseline_moe": "transformers MixtralSparseMoeBlock, eager experts loop"}
+    context = {"config": "configs/tiny-moe.yaml", "dp": 2, "device": "cpu", "dtype": args.dtype,
+               "micro_batch_per_rank": args.micro_batch, "load_avg": load,
+               "baseline_moe": "transformers MixtralSparseMoeBlock, eager experts loop"}
     out = []
     for ours, base in (("mshpc_eager", "ddp_eager"), ("mshpc_compiled", "ddp_compiled")):
         # tokens/s ratio = baseline step time / ours, so the interval is of base / ours
@@ -141,6 +145,8 @@ def main() -> None:
     harness.add_rounds(parser, 6)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank and step")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32 (CPU ranks' default) or bf16 autocast (GPU ranks' default), on both sides")
     args = parser.parse_args()
     load = harness.load_average()
     r = harness.run_local_ranks(worker, 2, (args,))
