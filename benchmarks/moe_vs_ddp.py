@@ -12,7 +12,11 @@ torch.compile, graph breaks allowed on both sides: the expert loop's shapes depe
 routing). Rank 0's CPU seconds per step (gloo's threads included) are reported beside the wall
 time, with the load average: on a loaded machine read tokens per CPU-second.
 
-    .venv/bin/python benchmarks/moe_vs_ddp.py [--rounds 6] [--steps 2] [--micro-batch 8]
+Both sides compute under bf16 autocast by default, the dtype a GPU rank trains in (`train.dtype:
+auto`) and the claim's; `--dtype fp32` runs CPU ranks' default instead, where both steps are their
+GEMMs at near the core's peak and the claim is out of reach (docs/benchmarks/moe_cpu2_2026-12-07.md).
+
+    .venv/bin/python benchmarks/moe_vs_ddp.py [--rounds 6] [--steps 2] [--micro-batch 8] [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -145,8 +149,8 @@ def main() -> None:
     harness.add_rounds(parser, 6)
     parser.add_argument("--steps", type=int, default=2, help="steps per contender per round")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank and step")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="fp32 (CPU ranks' default) or bf16 autocast (GPU ranks' default), on both sides")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                        help="bf16 autocast (GPU ranks' default, the claim's) or fp32 (CPU ranks'), on both sides")
     args = parser.parse_args()
     load = harness.load_average()
     r = harness.run_local_ranks(worker, 2, (args,))
